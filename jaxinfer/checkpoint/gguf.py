@@ -1,0 +1,135 @@
+"""GGUF checkpoints (llama.cpp files) through the `gguf` package.
+
+Config comes from the metadata, tensors are dequantized with the gguf package's NumPy dequantizers (every
+quant type it implements: F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, K-quants, ...), and the Q/K row
+interleave that llama.cpp's converter applies to Llama-architecture files is undone so our rotary
+embedding (HF half-split convention) applies unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGUFReader
+from gguf.quants import dequantize
+from jax.sharding import Mesh
+
+from jaxinfer.checkpoint.assemble import CheckpointError, TensorRule, TensorSource, assemble_weights
+from jaxinfer.checkpoint.gguf_metadata import read_gguf_metadata
+from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.models import ModelFamily, family_for_gguf
+from jaxinfer.models.common import llama3_inv_freq, rope_inv_freq
+from jaxinfer.sharding import ShardingRules
+
+# Tensors llama.cpp files may carry that we derive ourselves (checked, then not loaded).
+_DERIVED_TENSORS = ("rope_freqs.weight",)
+
+
+def open_reader(path: Path) -> GGUFReader:
+    """Open a GGUF file, turning a truncated or foreign file into one clear sentence."""
+    try:
+        return GGUFReader(path)
+    except (ValueError, OSError, IndexError, KeyError) as e:
+        raise CheckpointError(f"{path}: not a readable GGUF file, or it is truncated ({e}).") from None
+
+
+def unpermute_rotary_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
+    """Undo llama.cpp's permute: within each head, rows were interleaved (pairs) for its rotary kernel.
+
+    w: [heads*H, D] in llama.cpp order -> the same shape in HF's half-split order.
+    """
+    rows, cols = w.shape
+    return w.reshape(num_heads, rows // num_heads // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+@dataclasses.dataclass
+class GGUFCheckpoint:
+    path: Path
+
+    @cached_property
+    def reader(self) -> GGUFReader:
+        if not self.path.is_file():
+            raise CheckpointError(f"{self.path}: no such GGUF file.")
+        return open_reader(self.path)
+
+    @cached_property
+    def metadata(self) -> dict[str, Any]:
+        try:
+            return read_gguf_metadata(self.reader)
+        except ValueError as e:
+            raise CheckpointError(f"{self.path}: unreadable GGUF metadata ({e}).") from None
+
+    @cached_property
+    def tensors(self) -> dict[str, Any]:
+        return {t.name: t for t in self.reader.tensors}
+
+    @cached_property
+    def family(self) -> ModelFamily:
+        arch = self.metadata.get("general.architecture")
+        if arch is None:
+            raise CheckpointError(f"{self.path}: GGUF metadata has no general.architecture.")
+        return family_for_gguf(arch)
+
+    @cached_property
+    def config(self) -> ModelConfig:
+        cfg = self.family.config_from_gguf(self.metadata)
+        cfg = cfg.replace(tie_word_embeddings="output.weight" not in self.tensors)
+        if "rope_freqs.weight" in self.tensors:
+            cfg = self._llama3_rope_from_tensor(cfg)
+        return cfg
+
+    def _llama3_rope_from_tensor(self, cfg: ModelConfig) -> ModelConfig:
+        """llama.cpp stores Llama 3.1 rope scaling as per-frequency divisors; we recompute and compare."""
+        arch = self.metadata["general.architecture"]
+        cfg = cfg.replace(
+            rope_scaling=RopeScaling.LLAMA3,
+            rope_scaling_factor=float(self.metadata.get(f"{arch}.rope.scaling.factor", 8.0)),
+            rope_original_max_position=int(
+                self.metadata.get(f"{arch}.rope.scaling.original_context_length", 8192)
+            ),
+        )
+        stored = self._read("rope_freqs.weight").reshape(-1)
+        base = np.asarray(rope_inv_freq(cfg.head_size, cfg.rope_theta))
+        ours = base / np.asarray(llama3_inv_freq(rope_inv_freq(cfg.head_size, cfg.rope_theta), cfg))
+        if stored.shape != ours.shape or not np.allclose(stored, ours, rtol=1e-3):
+            raise CheckpointError(
+                f"{self.path}: rope_freqs.weight does not match Llama 3 rope scaling with factor "
+                f"{cfg.rope_scaling_factor}; this rope scaling variant is not supported."
+            )
+        return cfg
+
+    def _read(self, name: str) -> np.ndarray:
+        t = self.tensors[name]
+        try:
+            w = dequantize(np.asarray(t.data), t.tensor_type)  # plain array: memmap views are slow here
+        except (NotImplementedError, ValueError) as e:
+            raise CheckpointError(f"{self.path}: cannot dequantize tensor {name!r} ({t.tensor_type.name}: {e}).") from None
+        return w.reshape(tuple(int(d) for d in reversed(t.shape)))  # GGML lists dims innermost first
+
+    def _shape(self, name: str) -> tuple[int, ...]:
+        return tuple(int(d) for d in reversed(self.tensors[name].shape))
+
+    def load_weights(self, specs: Any, mesh: Mesh, rules: ShardingRules) -> Any:
+        cfg = self.config
+        source = TensorSource(
+            description=str(self.path),
+            names=set(self.tensors),
+            shape_of=self._shape,
+            read=self._read,
+            ignorable=lambda n: n in _DERIVED_TENSORS,
+        )
+
+        def unpermute(path: str, rule: TensorRule, w: np.ndarray) -> np.ndarray:
+            if rule.gguf_unpermute == "q":
+                return unpermute_rotary_rows(w, cfg.num_heads)
+            if rule.gguf_unpermute == "k":
+                return unpermute_rotary_rows(w, cfg.num_kv_heads)
+            return w
+
+        post = unpermute if self.metadata["general.architecture"] in ("llama", "mistral") else None
+        return assemble_weights(specs, self.family.checkpoint_rules(), source, "gguf", mesh, rules, post)
+

@@ -1,0 +1,110 @@
+"""Pieces shared by the model families: norms, rotary embeddings, gated MLPs, attention metadata.
+
+Letter glossary for einsums and shape comments: docs/ARCHITECTURE.md (T tokens, D model, F ffn, V vocab,
+N q heads, K kv heads, G = N/K, H head dim, P pages, R page size, S sequences, M page-table width).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxinfer.config import ModelConfig, RopeScaling
+
+
+@struct.dataclass
+class AttentionMetadata:
+    """Where this step's tokens sit in the paged cache (contract: docs/ARCHITECTURE.md)."""
+
+    positions: jax.Array  # [T] int32
+    slot_mapping: jax.Array  # [T] int32, page * R + offset
+    cu_q_lens: jax.Array  # [S + 1] int32
+    kv_lens: jax.Array  # [S] int32, after this step's writes
+    page_indices: jax.Array  # [S, M] int32
+    num_seqs: jax.Array  # [1] int32
+
+
+# (q [T, N, H], k_pages [P, R, K, H], v_pages [P, R, K, H], md) -> [T, N, H]
+AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
+
+
+def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, offset: float = 0.0) -> jax.Array:
+    """RMSNorm computed in float32 whatever the activation dtype (bf16 squares lose too much)."""
+    x32 = x.astype(jnp.float32)
+    inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
+    return (x32 * inv * (offset + weight.astype(jnp.float32))).astype(x.dtype)
+
+
+def llama3_inv_freq(inv_freq: jax.Array, cfg: ModelConfig) -> jax.Array:
+    """Llama 3.1 frequency remapping: keep high frequencies, divide low ones by the factor, blend between."""
+    factor = cfg.rope_scaling_factor
+    low_wavelen = cfg.rope_original_max_position / cfg.rope_low_freq_factor
+    high_wavelen = cfg.rope_original_max_position / cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (cfg.rope_original_max_position / wavelen - cfg.rope_low_freq_factor) / (
+        cfg.rope_high_freq_factor - cfg.rope_low_freq_factor
+    )
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = jnp.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    is_medium = (wavelen <= low_wavelen) & (wavelen >= high_wavelen)
+    return jnp.where(is_medium, blended, scaled)
+
+
+def rope_inv_freq(head_dim: int, theta: float, cfg: ModelConfig | None = None) -> jax.Array:
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))  # [H/2]
+    if cfg is None or cfg.rope_scaling is RopeScaling.NONE:
+        return inv_freq
+    if cfg.rope_scaling is RopeScaling.LLAMA3:
+        return llama3_inv_freq(inv_freq, cfg)
+    return inv_freq / cfg.rope_scaling_factor  # LINEAR
+
+
+def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.Array:
+    """Rotary embedding in the half-split ("rotate_half") convention that HF checkpoints use.
+
+    x: [T, heads, H]; positions: [T]. Angles are computed in float32: at positions in the thousands a
+    bf16 angle is off by whole radians.
+    """
+    angles = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]  # [T, H/2]
+    cos = jnp.cos(angles)[:, None, :]  # [T, 1, H/2]
+    sin = jnp.sin(angles)[:, None, :]
+    x32 = x.astype(jnp.float32)
+    x1, x2 = jnp.split(x32, 2, axis=-1)  # [T, heads, H/2] each
+    rotated = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return rotated.astype(x.dtype)
+
+
+def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, act: str) -> jax.Array:
+    """SwiGLU (act="silu") or GeGLU (act="gelu_tanh"): down(act(x @ gate) * (x @ up))."""
+    gate = jnp.einsum("td,df->tf", x, w_gate)  # [T, F]
+    up = jnp.einsum("td,df->tf", x, w_up)  # [T, F]
+    if act == "silu":
+        h = jax.nn.silu(gate) * up
+    elif act == "gelu_tanh":
+        h = jax.nn.gelu(gate, approximate=True) * up
+    else:
+        raise ValueError(f"gated_mlp: unknown activation {act!r}; expected 'silu' or 'gelu_tanh'.")
+    return jnp.einsum("tf,fd->td", h, w_down)  # [T, D]
+
+
+def write_kv(
+    k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
+) -> tuple[jax.Array, jax.Array]:
+    """Scatter this step's keys/values [T, K, H] into the paged cache [P, R, K, H] at their flat slots.
+
+    Padding tokens carry slots inside page 0, the reserved trash page, so no mask is needed.
+    """
+    num_pages, page_size, kv_heads, head_dim = k_pages.shape
+    flat_shape = (num_pages * page_size, kv_heads, head_dim)  # [P*R, K, H]
+    k_flat = k_pages.reshape(flat_shape).at[slot_mapping].set(k.astype(k_pages.dtype))
+    v_flat = v_pages.reshape(flat_shape).at[slot_mapping].set(v.astype(v_pages.dtype))
+    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+
+
+def gather_last_tokens(hidden: jax.Array, logits_indices: jax.Array) -> jax.Array:
+    """Rows of the final hidden state that produce logits: [T, D] -> [S, D] (only those, not all T)."""
+    return jnp.take(hidden, logits_indices, axis=0)

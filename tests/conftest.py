@@ -1,0 +1,49 @@
+"""Test-wide setup: 8 forced CPU devices (for sharding tests) and shared real-model fixtures.
+
+The device count must be fixed before JAX initializes its backend, hence the environment variable here at
+import time rather than in a fixture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+
+GOLDEN_DIR = Path(__file__).parent / "golden"
+
+
+def load_golden(name: str) -> dict:
+    path = GOLDEN_DIR / f"{name}.json"
+    if not path.is_file():
+        pytest.fail(f"golden file {path} is missing; run scripts/make_golden.py")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    from jaxinfer.presets import bundled_checkpoint
+
+    return bundled_checkpoint("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    from jaxinfer.presets import bundled_checkpoint
+
+    return bundled_checkpoint("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def smollm2_golden() -> dict:
+    return load_golden("smollm2-135m-instruct")
+
+
+@pytest.fixture(scope="session")
+def gemma3_golden() -> dict:
+    return load_golden("gemma3-270m")

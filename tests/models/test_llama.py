@@ -1,0 +1,180 @@
+"""Llama forward: paged/ragged path vs an independent dense float64 NumPy model, chunking, sharding, shapes."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.config import ConfigError, MeshConfig, ModelConfig, RopeScaling
+from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.kv_cache import KVCache, allocate_kv_cache
+from jaxinfer.models import LLAMA
+from jaxinfer.models.common import AttentionMetadata
+from jaxinfer.params import abstract_params, init_params
+from jaxinfer.presets import load_preset
+from jaxinfer.sharding import make_mesh, tensor_parallel_rules
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """SmolLM2-135M's preset shrunk to test size (same family switches: tied, GQA, rope theta)."""
+    base = load_preset("smollm2-135m")
+    small = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=16)
+    return base.replace(**{**small, **overrides})
+
+
+def build_runner(cfg: ModelConfig, tp: int = 1, seed: int = 0, num_pages: int = 64, page_size: int = 4):
+    mesh = make_mesh(MeshConfig(tensor=tp))
+    rules = tensor_parallel_rules(cfg, tp)
+    weights = init_params(LLAMA.param_specs(cfg, jnp.float32), jax.random.key(seed), mesh, rules)
+    cache = allocate_kv_cache(cfg, num_pages, page_size, jnp.float32, mesh, rules)
+    return ModelRunner(LLAMA, cfg, weights, cache, mesh, rules, attention_impl="reference")
+
+
+def dense_reference_logits(w, cfg: ModelConfig, ids: list[int]) -> np.ndarray:
+    """Plain causal transformer in float64 NumPy over one full sequence: logits [T, V]."""
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    from jaxinfer.models.common import rope_inv_freq
+
+    inv_freq = f64(rope_inv_freq(cfg.head_size, cfg.rope_theta, cfg))
+    t = len(ids)
+    ang = np.arange(t)[:, None] * inv_freq[None, :]  # [T, H/2]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+
+    def rope(x):  # [T, heads, H]
+        x1, x2 = np.split(x, 2, axis=-1)
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    def norm(x, g):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * f64(g)
+
+    x = f64(w.embed)[ids]
+    g = cfg.q_per_kv
+    mask = np.tril(np.ones((t, t), bool))
+    for layer in w.layers:
+        h = norm(x, layer.attn_norm)
+        q = rope(np.einsum("td,dnh->tnh", h, f64(layer.wq)))
+        k = np.repeat(rope(np.einsum("td,dkh->tkh", h, f64(layer.wk))), g, axis=1)  # [T, N, H]
+        v = np.repeat(np.einsum("td,dkh->tkh", h, f64(layer.wv)), g, axis=1)
+        s = np.einsum("qnh,knh->nqk", q, k) / math.sqrt(cfg.head_size)
+        s = np.where(mask[None], s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        x = x + np.einsum("tnh,nhd->td", np.einsum("nqk,knh->qnh", p, v), f64(layer.wo))
+        h = norm(x, layer.mlp_norm)
+        gate, up = h @ f64(layer.w_gate), h @ f64(layer.w_up)
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ f64(layer.w_down)
+    x = norm(x, w.final_norm)
+    head = f64(w.embed).T if w.lm_head is None else f64(w.lm_head)
+    return x @ head
+
+
+def run_chunks(runner: ModelRunner, ids: list[int], chunk: int, pages: list[int]) -> np.ndarray:
+    """Feed `ids` in chunks of `chunk` tokens; logits of the last token of each chunk, stacked."""
+    shape = BatchShape(tokens=32, seqs=4, pages_per_seq=16)
+    out = []
+    for start in range(0, len(ids), chunk):
+        batch = pack([SeqChunk(ids[start : start + chunk], start, pages)], shape, runner.kv_cache.page_size)
+        out.append(np.asarray(runner.logits(runner.place(batch)))[0])
+    return np.stack(out)
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        dict(tie_word_embeddings=False, num_kv_heads=4),
+        dict(num_kv_heads=1, rope_scaling=RopeScaling.LLAMA3, rope_scaling_factor=8.0,
+             rope_original_max_position=8, rope_theta=500000.0),
+    ],
+    ids=["gqa-tied", "mha-untied", "mqa-llama3-rope"],
+)
+def test_paged_forward_matches_dense_reference(overrides) -> None:
+    cfg = tiny_config(**overrides)
+    runner = build_runner(cfg, seed=1)
+    ids = list(np.random.default_rng(0).integers(0, cfg.vocab_size, 13))
+    ref = dense_reference_logits(runner.weights, cfg, ids)
+    ours = run_chunks(runner, ids, chunk=1, pages=[3, 7, 1, 9])  # decode one token at a time
+    assert rel_err(ours, ref) < 1e-5
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 13])
+def test_chunked_prefill_equals_full_prefill(chunk: int) -> None:
+    cfg = tiny_config()
+    runner = build_runner(cfg, seed=2)
+    ids = list(np.random.default_rng(1).integers(0, cfg.vocab_size, 13))
+    ref = dense_reference_logits(runner.weights, cfg, ids)
+    ours = run_chunks(runner, ids, chunk=chunk, pages=[5, 2, 8, 4])
+    ends = [min(s + chunk, len(ids)) - 1 for s in range(0, len(ids), chunk)]
+    assert rel_err(ours, ref[ends]) < 1e-5
+
+
+def test_mixed_ragged_batch_matches_separate_runs() -> None:
+    """A prefill chunk of one sequence and a decode of another in one step give each its own logits."""
+    cfg = tiny_config()
+    runner = build_runner(cfg, seed=3)
+    a = list(np.random.default_rng(2).integers(0, cfg.vocab_size, 9))
+    b = list(np.random.default_rng(3).integers(0, cfg.vocab_size, 6))
+    ref_a = dense_reference_logits(runner.weights, cfg, a)
+    ref_b = dense_reference_logits(runner.weights, cfg, b)
+    shape = BatchShape(tokens=32, seqs=4, pages_per_seq=16)
+    pa, pb = [1, 2, 3], [4, 5]
+    step1 = pack([SeqChunk(a[:8], 0, pa), SeqChunk(b[:5], 0, pb)], shape, 4)
+    first = np.asarray(runner.logits(runner.place(step1)))
+    step2 = pack([SeqChunk(b[5:], 5, pb), SeqChunk(a[8:], 8, pa)], shape, 4)
+    second = np.asarray(runner.logits(runner.place(step2)))
+    assert rel_err(first[0], ref_a[7]) < 1e-5 and rel_err(first[1], ref_b[4]) < 1e-5
+    assert rel_err(second[0], ref_b[5]) < 1e-5 and rel_err(second[1], ref_a[8]) < 1e-5
+
+
+@pytest.mark.parametrize("tp", [2, 4, 8])
+def test_sharded_equals_unsharded(tp: int) -> None:
+    """tp=8 with 4 kv heads exercises kv-head replication; q heads (8) split evenly."""
+    cfg = tiny_config(num_heads=8, num_kv_heads=4, head_dim=8)
+    ids = list(np.random.default_rng(4).integers(0, cfg.vocab_size, 11))
+    base = build_runner(cfg, tp=1, seed=5)
+    sharded = build_runner(cfg, tp=tp, seed=5)
+    ref = run_chunks(base, ids, chunk=4, pages=[1, 2, 3])
+    ours = run_chunks(sharded, ids, chunk=4, pages=[1, 2, 3])
+    assert rel_err(ours, ref) < 1e-5
+    wq = sharded.weights.layers[0].wq
+    assert len({s.index for s in wq.addressable_shards}) == tp  # really split, not replicated
+
+
+def test_tensor_parallel_must_divide_query_heads() -> None:
+    with pytest.raises(ConfigError, match="tensor_parallel_size=3 does not divide the model's 4 query heads"):
+        tensor_parallel_rules(tiny_config(), 3)
+
+
+def _abstract_forward(cfg: ModelConfig, tokens: int = 256, seqs: int = 8, pages: int = 128, page_size: int = 16):
+    specs = LLAMA.param_specs(cfg, jnp.bfloat16)
+    weights = abstract_params(specs)
+    page = jax.ShapeDtypeStruct((pages, page_size, cfg.num_kv_heads, cfg.head_size), jnp.bfloat16)
+    cache = KVCache(k=(page,) * cfg.num_layers, v=(page,) * cfg.num_layers)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    md = AttentionMetadata(positions=i32(tokens), slot_mapping=i32(tokens), cu_q_lens=i32(seqs + 1),
+                           kv_lens=i32(seqs), page_indices=i32(seqs, 16), num_seqs=i32(1))
+    from jaxinfer.engine.runner import make_attention_fn
+
+    attn = make_attention_fn(cfg, "reference", False)
+    return jax.eval_shape(lambda w, t, m, c: LLAMA.forward(w, cfg, t, m, c, attn), weights, i32(tokens), md, cache)
+
+
+@pytest.mark.parametrize("name, params_b", [("llama-3-8b", 8.03), ("llama-3-70b", 70.55), ("llama-3.1-8b", 8.03),
+                                            ("mistral-7b", 7.25)])
+def test_full_size_presets_trace(name: str, params_b: float) -> None:
+    from jaxinfer.params import count_params
+
+    cfg = load_preset(name)
+    assert count_params(LLAMA.param_specs(cfg, jnp.bfloat16)) / 1e9 == pytest.approx(params_b, rel=0.01)
+    hidden, cache = _abstract_forward(cfg)
+    assert hidden.shape == (256, cfg.hidden_size) and len(cache.k) == cfg.num_layers
