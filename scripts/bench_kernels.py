@@ -1,0 +1,282 @@
+"""Benchmarks of the Pallas kernels on the GPU machine, against ceilings measured in the same run.
+
+    PYTHONPATH=$PWD python3 scripts/bench_kernels.py --out $OUT/bench.json
+
+Measures the copy bandwidth (best of a jnp copy, a Pallas copy and torch if present) and the bf16
+matmul rate first, then decode attention (64 seqs x 4k context, Llama-3-8B heads), prefill attention
+(4k tokens), and int8/int4 weight matmuls at M = 1..64 with Llama-3-8B shapes, each next to the
+XLA-compiled reference and JAX's bundled kernels where they exist. Every section is independent: a
+failing one is logged and the rest still run. Prints a table last and writes JSON to --out.
+
+Timing: warmup, then the median over repeats of a batch of calls that rotate through several input
+sets (so the L2 cache does not serve repeated inputs), with block_until_ready at the batch end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import time
+import traceback
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.quantized_matmul import quantize_weights
+from pallas_kernels.quantized_matmul import gpu as qmm_gpu
+from pallas_kernels.quantized_matmul import reference as qmm_ref
+from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
+from pallas_kernels.ragged_paged_attention import reference as rpa_ref
+
+LLAMA_HEADS = dict(num_heads=32, kv_heads=8, head_dim=128)
+LLAMA_MATMULS = {"qkv 4096x6144": (4096, 6144), "up 4096x14336": (4096, 14336),
+                 "down 14336x4096": (14336, 4096)}
+
+
+def time_fn(fn, arg_sets, *, warmup=2, repeats=7, batch=10) -> float:
+    """Median seconds per call over `repeats` batches of `batch` calls rotating through arg_sets."""
+    for i in range(warmup):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = None
+        for i in range(batch):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / batch)
+    return statistics.median(times)
+
+
+class Results:
+    """Rows of the final table plus a JSON record, filled section by section."""
+
+    def __init__(self):
+        self.rows, self.errors, self.ceilings = [], {}, {}
+
+    def add(self, section, name, seconds, *, bytes_moved=None, flops=None):
+        row = dict(section=section, name=name, us=seconds * 1e6)
+        if bytes_moved:
+            row["GB/s"] = bytes_moved / seconds / 1e9
+            if "copy_GBps" in self.ceilings:
+                row["%BW"] = 100 * row["GB/s"] / self.ceilings["copy_GBps"]
+        if flops:
+            row["TFLOP/s"] = flops / seconds / 1e12
+            if "matmul_TFLOPs" in self.ceilings:
+                row["%MM"] = 100 * row["TFLOP/s"] / self.ceilings["matmul_TFLOPs"]
+        self.rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    def run(self, section, name, thunk):
+        try:
+            thunk()
+        except Exception as e:  # a failing variant must not stop the other measurements
+            self.errors[f"{section}/{name}"] = f"{type(e).__name__}: {e}"[:2000]
+            print(f"[error] {section}/{name}: {traceback.format_exc()[-3000:]}", flush=True)
+
+
+def _pallas_copy(x):
+    """A Mosaic GPU copy: 512 CTAs, each pipelining its share of [16, 1024] blocks."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    # pallas_call finds the Mosaic GPU lowering only once this module has registered it (0.11.2).
+    from jax._src.pallas.mosaic_gpu import pallas_call_registration  # noqa: F401
+
+    flat = x.reshape(-1, 1024)  # [rows, 1024]
+    ctas, rows = 512, 16
+    steps = flat.shape[0] // rows // ctas
+
+    def body(x_ref, o_ref):
+        o_ref[...] = x_ref[...]
+
+    spec = pl.BlockSpec((rows, 1024), lambda i, j: (i * steps + j, 0))
+    out = pl.pallas_call(
+        body, out_shape=jax.ShapeDtypeStruct(flat.shape, flat.dtype), grid=(ctas, steps),
+        in_specs=[spec], out_specs=spec,
+        compiler_params=plgpu.CompilerParams(dimension_semantics=["parallel", "sequential"],
+                                             max_concurrent_steps=2))(flat)
+    return out.reshape(x.shape)
+
+
+def measure_ceilings(res: Results):
+    n = 1 << 30  # 1 Gi bf16 elements = 2 GiB read + 2 GiB written
+    xs = [jnp.ones((n // 8192, 8192), jnp.bfloat16) * i for i in range(2)]
+    copies = {"jnp negate": jax.jit(lambda x: -x), "pallas copy": jax.jit(_pallas_copy)}
+    best = 0.0
+    for name, fn in copies.items():
+        def one(name=name, fn=fn):
+            nonlocal best
+            t = time_fn(fn, [(x,) for x in xs], repeats=5, batch=3)
+            best = max(best, 2 * n * 2 / t / 1e9)
+            res.add("ceiling", f"copy {name}", t, bytes_moved=2 * n * 2)
+        res.run("ceiling", name, one)
+
+    def torch_copy():
+        nonlocal best
+        import torch
+        a = torch.empty(n, dtype=torch.bfloat16, device="cuda")
+        b = torch.empty_like(a)
+        for _ in range(3):
+            b.copy_(a)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(10):
+            b.copy_(a)
+        torch.cuda.synchronize()
+        t = (time.perf_counter() - start) / 10
+        best = max(best, 2 * n * 2 / t / 1e9)
+        res.add("ceiling", "copy torch", t, bytes_moved=2 * n * 2)
+        del a, b
+    res.run("ceiling", "torch", torch_copy)
+    del xs
+    res.ceilings["copy_GBps"] = best
+
+    def matmul():
+        keys = jax.random.split(jax.random.key(0), 4)
+        ms = [jax.random.normal(k, (8192, 8192), jnp.bfloat16) for k in keys]
+        t = time_fn(jax.jit(lambda a, b: a @ b), [(ms[0], ms[1]), (ms[2], ms[3])], batch=5)
+        res.ceilings["matmul_TFLOPs"] = 2 * 8192**3 / t / 1e12
+        res.add("ceiling", "bf16 matmul 8192^3", t, flops=2 * 8192**3)
+    res.run("ceiling", "matmul", matmul)
+
+
+def make_decode_batch(key, num_seqs, ctx, page_size, q_tokens_per_seq=1):
+    """A paged cache of num_seqs sequences of ctx tokens each, pages shuffled; bf16."""
+    h = LLAMA_HEADS
+    pages_per_seq = ctx // page_size
+    num_pages = num_seqs * pages_per_seq + 1
+    kk, kv, kq, kp = jax.random.split(key, 4)
+    shape = (num_pages, page_size, h["kv_heads"], h["head_dim"])
+    k_pages = jax.random.normal(kk, shape, jnp.bfloat16)
+    v_pages = jax.random.normal(kv, shape, jnp.bfloat16)
+    perm = jax.random.permutation(kp, jnp.arange(1, num_pages, dtype=jnp.int32))
+    table = perm.reshape(num_seqs, pages_per_seq)
+    t = num_seqs * q_tokens_per_seq
+    q = jax.random.normal(kq, (t, h["num_heads"], h["head_dim"]), jnp.bfloat16)
+    kv_lens = jnp.full((num_seqs,), ctx, jnp.int32)
+    cu = jnp.arange(num_seqs + 1, dtype=jnp.int32) * q_tokens_per_seq
+    return q, k_pages, v_pages, kv_lens, table, cu, jnp.array([num_seqs], jnp.int32)
+
+
+def bench_attention(res: Results, section, num_seqs, ctx, page_size, q_tokens_per_seq):
+    h = LLAMA_HEADS
+    batch = make_decode_batch(jax.random.key(1), num_seqs, ctx, page_size, q_tokens_per_seq)
+    q, k_pages, v_pages, kv_lens, table, cu, ns = batch
+    qs = [q * (i + 1) for i in range(3)]
+    scale = h["head_dim"] ** -0.5
+    kv_bytes = 2 * k_pages[1:].size * 2
+    causal = q_tokens_per_seq > 1
+    flops = 4 * num_seqs * h["num_heads"] * h["head_dim"] * (
+        q_tokens_per_seq * ctx / 2 if causal else q_tokens_per_seq * ctx)
+    sets = [(qi, k_pages, v_pages, kv_lens, table, cu, ns) for qi in qs]
+    measure = dict(bytes_moved=kv_bytes, flops=flops)
+
+    ours = jax.jit(lambda *a: rpa_gpu.ragged_paged_attention(*a, sm_scale=scale))
+    res.run(section, "ours", lambda: res.add(section, f"ours R={page_size}", time_fn(ours, sets),
+                                             **measure))
+    ref = jax.jit(lambda *a: rpa_ref.ragged_paged_attention(*a, sm_scale=scale))
+    res.run(section, "reference", lambda: res.add(section, f"XLA reference R={page_size}",
+                                                  time_fn(ref, sets, repeats=3, batch=2), **measure))
+    if not causal:
+        res.run(section, "jax paged_attention",
+                lambda: _bench_bundled_paged(res, section, sets, page_size, measure))
+
+
+def _bench_bundled_paged(res, section, sets, page_size, measure):
+    from jax.experimental.pallas.ops.gpu import paged_attention as jax_paged
+
+    q, k_pages, v_pages, kv_lens, table = sets[0][:5]
+    k_t = jnp.transpose(k_pages, (2, 0, 1, 3))  # [K, P, R, H], the bundled kernel's layout
+    v_t = jnp.transpose(v_pages, (2, 0, 1, 3))
+    ppcb = max(1, 64 // page_size)
+    fn = jax.jit(lambda qi: jax_paged.paged_attention(
+        qi * LLAMA_HEADS["head_dim"] ** -0.5, k_t, v_t, table, kv_lens,
+        pages_per_compute_block=ppcb))
+    res.add(section, f"jax paged_attention R={page_size}",
+            time_fn(fn, [(s[0],) for s in sets]), **measure)
+
+
+def bench_matmuls(res: Results):
+    ms = (1, 8, 16, 32, 64)
+    for shape_name, (k, n) in LLAMA_MATMULS.items():
+        keys = jax.random.split(jax.random.key(2), 3)
+        ws = [jax.random.normal(key, (k, n), jnp.float32) * 0.02 for key in keys]
+        for bits in (8, 4):
+            wqs = [quantize_weights(w, bits=bits, group_size=128 if bits == 4 else None)
+                   for w in ws]
+            wbytes = wqs[0].values.size * wqs[0].values.dtype.itemsize + wqs[0].scales.size * 4
+            for m in ms:
+                x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+                sets = [(x, wq) for wq in wqs]
+                sec = f"matmul {shape_name}"
+                res.run(sec, f"int{bits} M={m}", lambda sets=sets, m=m, bits=bits, sec=sec: res.add(
+                    sec, f"ours int{bits} M={m}", time_fn(jax.jit(qmm_gpu.quantized_matmul), sets),
+                    bytes_moved=wbytes, flops=2 * m * k * n))
+                if m in (1, 64):
+                    res.run(sec, f"ref int{bits} M={m}", lambda sets=sets, m=m, bits=bits, sec=sec: res.add(
+                        sec, f"XLA reference int{bits} M={m}",
+                        time_fn(jax.jit(qmm_ref.quantized_matmul), sets),
+                        bytes_moved=wbytes, flops=2 * m * k * n))
+        wb = [w.astype(jnp.bfloat16) for w in ws]
+        for m in (1, 64):
+            x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+            res.run(f"matmul {shape_name}", f"bf16 M={m}", lambda x=x, m=m: res.add(
+                f"matmul {shape_name}", f"XLA bf16 weights M={m}",
+                time_fn(jax.jit(jnp.dot), [(x, w) for w in wb]),
+                bytes_moved=k * n * 2, flops=2 * m * k * n))
+        res.run(f"matmul {shape_name}", "jax mixed", lambda k=k, n=n, ws=ws: _bench_bundled_mixed(
+            res, f"matmul {shape_name}", k, n, ws))
+
+
+def _bench_bundled_mixed(res, section, k, n, ws):
+    """JAX's hopper_mixed_type_matmul_mgpu: int8 LHS times bf16 RHS, run as W^T[N,K] @ x^T[K,128]."""
+    from jax.experimental.pallas.ops.gpu import hopper_mixed_type_matmul_mgpu as mixed
+
+    cfg = mixed.TuningConfig(tile_m=64, tile_n=64, tile_k=128, max_concurrent_steps=4,
+                             epi_tile_n=64, epi_tile_m=64)
+    wts = [jnp.clip(jnp.round(w.T / 0.0005), -127, 127).astype(jnp.int8) for w in ws]
+    xt = jax.random.normal(jax.random.key(7), (k, 128), jnp.bfloat16)  # n must fill 2 tiles
+    fn = jax.jit(lambda a, b: mixed.mixed_matmul_kernel(a, b, out_dtype=jnp.bfloat16, config=cfg))
+    res.add(section, "jax hopper_mixed_type int8 M=128", time_fn(fn, [(w, xt) for w in wts]),
+            bytes_moved=k * n, flops=2 * 128 * k * n)
+
+
+def print_table(res: Results):
+    print("\n=== ceilings:", json.dumps(res.ceilings))
+    print(f"{'section':<28} {'name':<36} {'us':>9} {'GB/s':>8} {'%BW':>6} {'TFLOP/s':>8} {'%MM':>6}")
+    for r in res.rows:
+        f = lambda key, fmt: format(r[key], fmt) if key in r else "-"
+        print(f"{r['section']:<28} {r['name']:<36} {r['us']:>9.1f} {f('GB/s', '8.0f'):>8} "
+              f"{f('%BW', '6.1f'):>6} {f('TFLOP/s', '8.1f'):>8} {f('%MM', '6.1f'):>6}")
+    for k, v in res.errors.items():
+        print(f"ERROR {k}: {v[:300]}")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_kernels.json")
+    parser.add_argument("--sections", default="ceilings,decode,prefill,matmul")
+    args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    res = Results()
+    print("device:", jax.devices()[0].device_kind, flush=True)
+    if "ceilings" in sections:
+        measure_ceilings(res)
+    if "decode" in sections:
+        for page_size in (16, 64):
+            bench_attention(res, "decode 64x4k", 64, 4096, page_size, 1)
+    if "prefill" in sections:
+        bench_attention(res, "prefill 4k", 1, 4096, 64, 4096)
+    if "matmul" in sections:
+        bench_matmuls(res)
+    with open(args.out, "w") as f:
+        json.dump(dict(device=jax.devices()[0].device_kind, ceilings=res.ceilings, rows=res.rows,
+                       errors=res.errors), f, indent=1)
+    print_table(res)
+
+
+if __name__ == "__main__":
+    main()
