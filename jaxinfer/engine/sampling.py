@@ -1,0 +1,517 @@
+"""On-device sampling: per-request knobs as arrays, one jitted pass from logits to tokens.
+
+Every per-request knob lives in `SamplingArrays` as an array row, so changing any value never recompiles
+(DESIGN rule 3). Shapes are static: S is the padded number of sequences; padding rows are greedy with
+every knob off, so they cost nothing and touch nothing.
+
+Order inside `sample` (vLLM semantics unless noted):
+  logit bias -> repetition/presence/frequency penalties -> min_tokens suppression of stop ids
+  -> temperature -> top-k -> top-p -> min-p -> Gumbel-max with the row's key.
+Rows with temperature < GREEDY_EPS take the argmax of the processed logits (bias and penalties applied).
+Returned logprobs are of the *raw* model distribution (log_softmax of the unmodified logits), like vLLM's
+default, with the top `max_logprobs` alternatives; callers slice per request.
+
+Filtering as thresholds. top-k, top-p and min-p each keep a set {z >= t} of the temperature-scaled logits
+z, so the sampler computes one threshold per row (the max of the three) and never reorders the vocabulary:
+  * min-p is elementwise: t = max(z) + log(min_p). Probability ratios do not depend on normalisation, so
+    the kept set is the same before or after top-k/top-p (vLLM V1 applies it first; the result agrees).
+  * top-k and top-p only need the largest few values: `lax.top_k(z, C)` over C candidates. top-k is exact
+    when k <= C; top-p (renormalised over the top-k set, as in vLLM) is exact whenever the nucleus fits in
+    C, which the candidate mass proves (mass of the C candidates >= top_p). When any row does not fit,
+    a `lax.cond` falls back to a full sort of the values for the whole batch: exact, same compile, only
+    slower that step. Ties at the cut value are all kept (vLLM's top-k keeps ties too).
+  * top_p >= 1 and top_k <= 0 are off: no candidate work at all when no row of the batch needs it.
+
+Seeds. Each row carries threefry key data from its seed ([hi, lo] words of seed mod 2**64; for
+0 <= seed < 2**31 that is exactly `jax.random.PRNGKey(seed)`) and a step counter n = tokens already
+generated; the n-th token uses fold_in(key(seed), n) and Gumbel noise over the full vocabulary. The noise
+depends on nothing but (seed, n, V), so a request samples the same tokens alone, in any batch, at any row,
+and after preemption by recompute, given the same logits (batch-invariant logits are the model's job).
+`resolve_seed` gives unseeded requests a random seed once at admission and gives the children of an n > 1
+request distinct seeds (seed + index, as vLLM does).
+
+Penalties need token occurrence. `PenaltyState` lives on device, one row per sequence slot aligned with the
+logits rows: output token counts [S, V] int32, updated in the step with the sampled tokens
+(`update_output_counts`, an O(S) scatter), and a prompt-presence bitmask [S, ceil(V/32)] uint32 written
+once when the sequence is admitted or resumed (host cost O(len(tokens) + V), see `PenaltyState.from_tokens`).
+Memory is S*V*4.125 bytes (64 rows x 128k vocab = 33 MiB); the per-step read is O(S*V), the same order as
+the logits. An engine without penalties passes `penalties=None`, a static choice that skips the pass; with
+a state, a batch where no row uses a penalty skips it at run time (`lax.cond`).
+
+Inside step():  out = sample(logits, arrays, penalties)
+                penalties = update_output_counts(penalties, out.tokens, active)   # active: [S] real, running
+                arrays = arrays.advance()                                        # next decode iteration
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, NoReturn
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+Array = jax.Array | np.ndarray
+
+MAX_LOGIT_BIAS = 16  # B: logit_bias entries per request (static width of bias_ids/bias_values)
+MAX_STOP_IDS = 8  # E: EOS + stop_token_ids suppressed while fewer than min_tokens are generated
+MAX_LOGPROBS = 20  # Kmax: top alternatives returned per row
+NUM_CANDIDATES = 256  # C: candidate set for top-k/top-p before the full-sort fallback
+GREEDY_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS); avoids overflow in z / T
+LOGIT_BIAS_LIMIT = 100.0  # OpenAI's bound on logit_bias values
+PENALTY_LIMIT = 2.0  # OpenAI's bound on presence/frequency penalties
+_BITS = 32  # prompt-presence bits per uint32 word
+_SEED_MOD = 2**64
+_PRNG_IMPL = "threefry2x32"
+
+
+def _get(p: Any, name: str, default: Any) -> Any:
+    """Read a SamplingParams-like attribute; objects may omit knobs that are off."""
+    value = getattr(p, name, default)
+    return default if value is None else value
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    """Per-sequence sampling knobs as arrays. Build on the host with `from_params`; all fields are data."""
+
+    temperature: Array  # [S] f32; < GREEDY_EPS is greedy
+    top_k: Array  # [S] i32; 0 = off (host maps -1 and k >= V to 0)
+    top_p: Array  # [S] f32; >= 1 = off
+    min_p: Array  # [S] f32; 0 = off
+    repetition_penalty: Array  # [S] f32; 1 = off
+    presence_penalty: Array  # [S] f32; 0 = off
+    frequency_penalty: Array  # [S] f32; 0 = off
+    bias_ids: Array  # [S, B] i32, padded with -1
+    bias_values: Array  # [S, B] f32, padded with 0
+    key_data: Array  # [S, 2] u32 threefry key data of the row's seed
+    step: Array  # [S] i32 tokens already generated: the next token uses fold_in(key, step)
+    min_tokens: Array  # [S] i32; stop ids are banned while step < min_tokens
+    stop_ids: Array  # [S, E] i32 EOS + stop_token_ids for min_tokens, padded with -1
+
+    @classmethod
+    def from_params(
+        cls,
+        params_list: Sequence[Any],
+        num_rows: int,
+        vocab_size: int,
+        *,
+        steps: Sequence[int] | None = None,
+        seeds: Sequence[int | None] | None = None,
+        eos_ids: Sequence[int] = (),
+        max_logit_bias: int = MAX_LOGIT_BIAS,
+        max_stop_ids: int = MAX_STOP_IDS,
+        rng: np.random.Generator | None = None,
+    ) -> SamplingArrays:
+        """Host (NumPy) arrays for `params_list` in rows 0..len-1, padded to `num_rows` harmless rows.
+
+        steps[i]: tokens row i already generated (default 0). seeds[i]: the row's resolved seed (see
+        `resolve_seed`); where missing, params.seed, else a draw from `rng`. eos_ids: the model's EOS ids,
+        suppressed with stop_token_ids under min_tokens unless the request sets ignore_eos.
+        """
+        if len(params_list) > num_rows:
+            raise ValueError(f"num_rows must be >= the number of requests ({len(params_list)}), got {num_rows}.")
+        rng = rng if rng is not None else np.random.default_rng()
+        cols = _padding_columns(num_rows, max_logit_bias, max_stop_ids)
+        for row, p in enumerate(params_list):
+            step = 0 if steps is None else int(steps[row])
+            seed = None if seeds is None else seeds[row]
+            seed = resolve_seed(_get(p, "seed", None), 0, rng) if seed is None else seed
+            _fill_row(cols, row, p, vocab_size, step, seed, eos_ids)
+        return cls(**cols)
+
+    def advance(self) -> SamplingArrays:
+        """The arrays for the next decode iteration inside one device call: every row one token further."""
+        return dataclasses.replace(self, step=self.step + 1)
+
+
+def resolve_seed(seed: int | None, sample_index: int, rng: np.random.Generator) -> int:
+    """The seed one sequence samples with: seed + index for child `index` of an n > 1 request (children
+    must differ, as in vLLM); a random seed for an unseeded request. Call once at admission and keep it, so
+    a preempted sequence resumes the same stream."""
+    if seed is None:
+        return int(rng.integers(0, 2**63))
+    return int(seed) + sample_index
+
+
+def seed_key_data(seed: int) -> np.ndarray:
+    """Threefry key data [2] u32 of `seed` mod 2**64: its [hi, lo] words. For 0 <= seed < 2**31 this equals
+    jax.random.key_data(jax.random.PRNGKey(seed)); larger seeds stay distinct instead of overflowing."""
+    s = int(seed) % _SEED_MOD
+    return np.array([s >> 32, s & 0xFFFFFFFF], dtype=np.uint32)  # [2]
+
+
+def _padding_columns(num_rows: int, b: int, e: int) -> dict[str, np.ndarray]:
+    """Column arrays filled with the padding row: greedy, every knob off, no bias, no stop ids."""
+    return {
+        "temperature": np.zeros(num_rows, np.float32),
+        "top_k": np.zeros(num_rows, np.int32),
+        "top_p": np.ones(num_rows, np.float32),
+        "min_p": np.zeros(num_rows, np.float32),
+        "repetition_penalty": np.ones(num_rows, np.float32),
+        "presence_penalty": np.zeros(num_rows, np.float32),
+        "frequency_penalty": np.zeros(num_rows, np.float32),
+        "bias_ids": np.full((num_rows, b), -1, np.int32),
+        "bias_values": np.zeros((num_rows, b), np.float32),
+        "key_data": np.zeros((num_rows, 2), np.uint32),
+        "step": np.zeros(num_rows, np.int32),
+        "min_tokens": np.zeros(num_rows, np.int32),
+        "stop_ids": np.full((num_rows, e), -1, np.int32),
+    }
+
+
+def _fill_row(cols: dict[str, np.ndarray], row: int, p: Any, vocab_size: int, step: int, seed: int,
+              eos_ids: Sequence[int]) -> None:
+    """Write one request's knobs into row `row` of the host columns."""
+    top_k = int(_get(p, "top_k", -1))
+    cols["temperature"][row] = _get(p, "temperature", 1.0)
+    cols["top_k"][row] = top_k if 0 < top_k < vocab_size else 0
+    cols["top_p"][row] = _get(p, "top_p", 1.0)
+    cols["min_p"][row] = _get(p, "min_p", 0.0)
+    cols["repetition_penalty"][row] = _get(p, "repetition_penalty", 1.0)
+    cols["presence_penalty"][row] = _get(p, "presence_penalty", 0.0)
+    cols["frequency_penalty"][row] = _get(p, "frequency_penalty", 0.0)
+    cols["key_data"][row] = seed_key_data(seed)
+    cols["step"][row] = step
+    _fill_bias(cols, row, _get(p, "logit_bias", {}), vocab_size)
+    min_tokens = int(_get(p, "min_tokens", 0))
+    cols["min_tokens"][row] = min_tokens
+    if min_tokens > 0:
+        _fill_stop_ids(cols, row, _stop_ids(p, eos_ids))
+
+
+def _fill_bias(cols: dict[str, np.ndarray], row: int, bias: dict[int, float], vocab_size: int) -> None:
+    width = cols["bias_ids"].shape[1]
+    if len(bias) > width:
+        raise ValueError(f"logit_bias may hold at most {width} entries, got {len(bias)}.")
+    for j, (token, value) in enumerate(bias.items()):
+        if not 0 <= int(token) < vocab_size:
+            raise ValueError(f"logit_bias token ids must be in [0, {vocab_size}), got {token}.")
+        cols["bias_ids"][row, j] = int(token)
+        cols["bias_values"][row, j] = float(value)
+
+
+def _stop_ids(p: Any, eos_ids: Sequence[int]) -> list[int]:
+    """Ids banned under min_tokens: EOS (unless ignore_eos) and stop_token_ids, deduplicated in order."""
+    eos = () if _get(p, "ignore_eos", False) else tuple(eos_ids)
+    return list(dict.fromkeys(int(t) for t in (*eos, *_get(p, "stop_token_ids", ()))))
+
+
+def _fill_stop_ids(cols: dict[str, np.ndarray], row: int, ids: list[int]) -> None:
+    width = cols["stop_ids"].shape[1]
+    if len(ids) > width:
+        raise ValueError(f"EOS + stop_token_ids may hold at most {width} ids with min_tokens, got {len(ids)}.")
+    cols["stop_ids"][row, : len(ids)] = ids
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PenaltyState:
+    """Device-resident token occurrence per sequence slot, rows aligned with the logits rows."""
+
+    prompt_bits: Array  # [S, W] u32, W = ceil(V / 32): bit v % 32 of word v // 32 is set iff v is in the prompt
+    output_counts: Array  # [S, V] i32 occurrences of each token in the output so far
+
+    @classmethod
+    def from_tokens(cls, prompts: Sequence[Sequence[int]], outputs: Sequence[Sequence[int]], num_rows: int,
+                    vocab_size: int) -> PenaltyState:
+        """Host builder for admission or resume after preemption; rows past len(prompts) are empty."""
+        if len(prompts) != len(outputs) or len(prompts) > num_rows:
+            raise ValueError(f"prompts and outputs must have equal length <= num_rows ({num_rows}).")
+        bits = np.zeros((num_rows, _num_words(vocab_size)), np.uint32)  # [S, W]
+        counts = np.zeros((num_rows, vocab_size), np.int32)  # [S, V]
+        for row, (prompt, output) in enumerate(zip(prompts, outputs)):
+            bits[row] = pack_token_bits(prompt, vocab_size)
+            counts[row] = np.bincount(_checked_ids(output, vocab_size), minlength=vocab_size)
+        return cls(prompt_bits=bits, output_counts=counts)
+
+
+def _num_words(vocab_size: int) -> int:
+    return -(-vocab_size // _BITS)
+
+
+def _checked_ids(tokens: Sequence[int], vocab_size: int) -> np.ndarray:
+    ids = np.asarray(tokens, np.int64).reshape(-1)  # [L]
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"token ids must be in [0, {vocab_size}).")
+    return ids
+
+
+def pack_token_bits(tokens: Sequence[int], vocab_size: int) -> np.ndarray:
+    """Presence bitmask [ceil(V/32)] u32 of `tokens`, little-endian bit order within each word."""
+    present = np.zeros(_num_words(vocab_size) * _BITS, bool)  # [W * 32]
+    present[_checked_ids(tokens, vocab_size)] = True
+    return np.packbits(present, bitorder="little").view("<u4").astype(np.uint32)  # [W]
+
+
+def _unpack_bits(bits: jax.Array, vocab_size: int) -> jax.Array:
+    """[S, W] u32 -> [S, V] bool; elementwise shifts, no gather."""
+    shifts = jnp.arange(_BITS, dtype=jnp.uint32)  # [32]
+    flags = (bits[:, :, None] >> shifts) & 1  # [S, W, 32]
+    return flags.reshape(bits.shape[0], -1)[:, :vocab_size].astype(bool)  # [S, V]
+
+
+def update_output_counts(state: PenaltyState, tokens: jax.Array, active: jax.Array) -> PenaltyState:
+    """Count the tokens just sampled (rows where `active`) inside the step: an O(S) scatter."""
+    rows = jnp.arange(tokens.shape[0])  # [S]
+    counts = jnp.asarray(state.output_counts).at[rows, tokens].add(active.astype(jnp.int32))  # [S, V]
+    return dataclasses.replace(state, output_counts=counts)
+
+
+def set_rows(state: PenaltyState, rows: jax.Array, new: PenaltyState) -> PenaltyState:
+    """Overwrite slots `rows` [R] with the R rows of `new` (admission, resume, or slot reassignment)."""
+    return jax.tree.map(lambda old, fresh: jnp.asarray(old).at[rows].set(fresh), state, new)
+
+
+class SamplerOutput(NamedTuple):
+    tokens: jax.Array  # [S] i32
+    logprobs: jax.Array  # [S] f32 of the chosen token under the raw model distribution
+    top_ids: jax.Array  # [S, Kmax] i32, most likely first
+    top_logprobs: jax.Array  # [S, Kmax] f32
+    ranks: jax.Array  # [S] i32 1-based rank of the chosen token under the raw distribution
+
+
+class PromptLogprobs(NamedTuple):
+    logprobs: jax.Array  # [T] f32 of each actual next prompt token
+    top_ids: jax.Array  # [T, k] i32
+    top_logprobs: jax.Array  # [T, k] f32
+    ranks: jax.Array  # [T] i32 1-based rank of the actual next token
+
+
+def process_logits(logits: jax.Array, arrays: SamplingArrays, penalties: PenaltyState | None = None) -> jax.Array:
+    """Logit bias -> penalties -> min_tokens suppression, on [S, V] f32. NaN becomes -inf so a broken row
+    cannot poison the argmax."""
+    x = jnp.where(jnp.isnan(logits), -jnp.inf, logits.astype(jnp.float32))  # [S, V]
+    x = _apply_logit_bias(x, arrays.bias_ids, arrays.bias_values)
+    if penalties is not None:
+        x = _apply_penalties_if_any(x, arrays, penalties)
+    return _suppress_stop_ids(x, arrays)
+
+
+def _row_scatter_ids(ids: jax.Array, use: jax.Array, vocab_size: int) -> jax.Array:
+    """Map unused slots to V, an out-of-range id that mode="drop" scatters discard (-1 would wrap)."""
+    return jnp.where(use & (ids >= 0), ids, vocab_size)  # [S, X]
+
+
+def _apply_logit_bias(x: jax.Array, bias_ids: jax.Array, bias_values: jax.Array) -> jax.Array:
+    rows = jnp.arange(x.shape[0])[:, None]  # [S, 1]
+    ids = _row_scatter_ids(bias_ids, jnp.asarray(True), x.shape[1])  # [S, B]
+    return x.at[rows, ids].add(bias_values, mode="drop")  # [S, V]
+
+
+def _apply_penalties(x: jax.Array, arrays: SamplingArrays, penalties: PenaltyState) -> jax.Array:
+    """HF/vLLM repetition penalty over prompt + output (positive logits divided, others multiplied), then
+    OpenAI frequency (per occurrence) and presence (once) penalties over the output only."""
+    counts = penalties.output_counts  # [S, V] i32
+    in_output = counts > 0  # [S, V]
+    seen = _unpack_bits(penalties.prompt_bits, x.shape[1]) | in_output  # [S, V]
+    rep = jnp.where(seen, arrays.repetition_penalty[:, None], 1.0)  # [S, V]
+    x = jnp.where(x > 0, x / rep, x * rep)  # [S, V]
+    x = x - arrays.frequency_penalty[:, None] * counts.astype(jnp.float32)  # [S, V]
+    return x - arrays.presence_penalty[:, None] * in_output.astype(jnp.float32)  # [S, V]
+
+
+def _apply_penalties_if_any(x: jax.Array, arrays: SamplingArrays, penalties: PenaltyState) -> jax.Array:
+    """Skip the O(S*V) penalty pass at run time when no row of the batch uses a penalty (the common case)."""
+    active = (arrays.repetition_penalty != 1) | (arrays.presence_penalty != 0) | (arrays.frequency_penalty != 0)
+    return lax.cond(jnp.any(active), lambda: _apply_penalties(x, arrays, penalties), lambda: x)  # [S, V]
+
+
+def _suppress_stop_ids(x: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """Ban EOS/stop ids while fewer than min_tokens are generated; computed from `step` on device so it
+    stays right across several decode iterations in one call."""
+    rows = jnp.arange(x.shape[0])[:, None]  # [S, 1]
+    suppress = (arrays.step < arrays.min_tokens)[:, None]  # [S, 1]
+    ids = _row_scatter_ids(arrays.stop_ids, suppress, x.shape[1])  # [S, E]
+    return x.at[rows, ids].set(-jnp.inf, mode="drop")  # [S, V]
+
+
+def _safe_logsumexp(x: jax.Array) -> jax.Array:
+    """Row logsumexp [S, W] -> [S]; an all -inf row gives 0 instead of -inf so later x - lse is not NaN."""
+    lse = jax.nn.logsumexp(x, axis=-1)  # [S]
+    return jnp.where(jnp.isfinite(lse), lse, 0.0)
+
+
+def _take_rows(vals: jax.Array, idx: jax.Array) -> jax.Array:
+    """vals[s, idx[s]] for [S, W] and [S] -> [S]."""
+    return jnp.take_along_axis(vals, idx[:, None], axis=-1)[:, 0]
+
+
+def _threshold_from_sorted(vals: jax.Array, lse: jax.Array, top_k: jax.Array, top_p: jax.Array,
+                           k_on: jax.Array, p_on: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Top-k/top-p cut on the W largest scaled logits, sorted descending. Returns (threshold [S], fits [S]),
+    fits saying the cut is exact with only these W values. `lse` [S] is the full-vocabulary logsumexp."""
+    width = vals.shape[1]
+    in_k = ~k_on[:, None] | (jnp.arange(width)[None, :] < top_k[:, None])  # [S, W]
+    thresh_k = jnp.where(k_on, _take_rows(vals, jnp.clip(top_k - 1, 0, width - 1)), -jnp.inf)  # [S]
+    # vLLM renormalises over the top-k set before top-p; without top-k the whole vocabulary counts.
+    norm = jnp.where(k_on, _safe_logsumexp(jnp.where(in_k, vals, -jnp.inf)), lse)  # [S]
+    probs = jnp.where(in_k, jnp.exp(vals - norm[:, None]), 0.0)  # [S, W]
+    cum = jnp.cumsum(probs, axis=-1)  # [S, W]
+    before = jnp.pad(cum[:, :-1], ((0, 0), (1, 0)))  # [S, W] mass strictly above each rank
+    keep = in_k & (before < top_p[:, None])  # [S, W] a prefix; rank 0 always kept
+    last = jnp.maximum(jnp.sum(keep, axis=-1) - 1, 0)  # [S]
+    thresh_p = jnp.where(p_on, _take_rows(vals, last), -jnp.inf)  # [S]
+    k_fits = ~k_on | (top_k <= width)
+    # The nucleus ends inside the W values iff their mass already reaches top_p (or top-k bounds it). With
+    # W = V, float32 rounding can leave the total a hair under a top_p near 1; then every token is kept.
+    p_fits = ~p_on | (k_on & k_fits) | (cum[:, -1] >= top_p)
+    return jnp.maximum(thresh_k, thresh_p), k_fits & p_fits
+
+
+def _top_k_top_p_threshold(z: jax.Array, top_k: jax.Array, top_p: jax.Array, k_on: jax.Array,
+                           p_on: jax.Array, num_candidates: int) -> jax.Array:
+    """Threshold [S] from C candidates; a full sort of the batch only when some row's cut lies past C."""
+    width = min(num_candidates, z.shape[1])
+    lse = _safe_logsumexp(z)  # [S]
+    candidates = lax.top_k(z, width)[0]  # [S, C] descending
+    thresh, fits = _threshold_from_sorted(candidates, lse, top_k, top_p, k_on, p_on)
+    if width == z.shape[1]:
+        return thresh
+
+    def full_sort() -> jax.Array:
+        ordered = jnp.flip(jnp.sort(z, axis=-1), axis=-1)  # [S, V] descending; values only, no argsort
+        return _threshold_from_sorted(ordered, lse, top_k, top_p, k_on, p_on)[0]
+
+    return lax.cond(jnp.all(fits), lambda: thresh, full_sort)
+
+
+def _filter_threshold(z: jax.Array, arrays: SamplingArrays, greedy: jax.Array, num_candidates: int) -> jax.Array:
+    """One threshold [S] on z combining top-k, top-p and min-p; tokens with z >= threshold stay."""
+    # min-p keeps p >= min_p * p_max, i.e. z >= z_max + log(min_p); log(0) = -inf switches it off.
+    thresh_min_p = jnp.max(z, axis=-1) + jnp.log(arrays.min_p)  # [S]
+    k_on = (arrays.top_k > 0) & ~greedy  # [S] greedy rows never need the candidate work
+    p_on = (arrays.top_p < 1.0) & ~greedy  # [S]
+    thresh_kp = lax.cond(
+        jnp.any(k_on | p_on),
+        lambda: _top_k_top_p_threshold(z, arrays.top_k, arrays.top_p, k_on, p_on, num_candidates),
+        lambda: jnp.full(z.shape[:1], -jnp.inf, z.dtype),
+    )
+    return jnp.maximum(thresh_min_p, thresh_kp)  # [S]
+
+
+def _gumbel_noise(key_data: jax.Array, step: jax.Array, vocab_size: int) -> jax.Array:
+    """Gumbel noise [S, V] from fold_in(key(seed), step): a function of (seed, step, V) only, so the row's
+    position and the rest of the batch cannot change it."""
+
+    def row_noise(data: jax.Array, n: jax.Array) -> jax.Array:
+        key = jax.random.fold_in(jax.random.wrap_key_data(data, impl=_PRNG_IMPL), n)
+        return jax.random.gumbel(key, (vocab_size,), jnp.float32)  # [V]
+
+    return jax.vmap(row_noise)(key_data, step)  # [S, V]
+
+
+def _sample_random(x: jax.Array, arrays: SamplingArrays, greedy: jax.Array, num_candidates: int) -> jax.Array:
+    """Temperature, filtering and Gumbel-max on processed logits x [S, V]; greedy rows take argmax(x)."""
+    temperature = jnp.where(greedy, 1.0, arrays.temperature)  # [S] greedy rows: no division by ~0
+    z = x / temperature[:, None]  # [S, V]
+    keep = z >= _filter_threshold(z, arrays, greedy, num_candidates)[:, None]  # [S, V]
+    noisy = jnp.where(keep, z + _gumbel_noise(arrays.key_data, arrays.step, x.shape[1]), -jnp.inf)  # [S, V]
+    # An all -inf row (everything banned) has argmax 0: still a valid token id.
+    return jnp.where(greedy, jnp.argmax(x, axis=-1), jnp.argmax(noisy, axis=-1)).astype(jnp.int32)  # [S]
+
+
+def _logprob_outputs(logits: jax.Array, ids: jax.Array, k: int) -> tuple[jax.Array, ...]:
+    """Raw log_softmax: logprob [S] and 1-based rank [S] of `ids`, plus the top-k alternatives [S, k]."""
+    raw = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)  # [S, V]
+    chosen = _take_rows(raw, jnp.clip(ids, 0, raw.shape[1] - 1))  # [S]
+    ranks = 1 + jnp.sum(raw > chosen[:, None], axis=-1, dtype=jnp.int32)  # [S]
+    top_logprobs, top_ids = lax.top_k(raw, min(k, raw.shape[1]))  # [S, k]
+    return chosen, top_ids.astype(jnp.int32), top_logprobs, ranks
+
+
+def sample(logits: jax.Array, arrays: SamplingArrays, penalties: PenaltyState | None = None, *,
+           max_logprobs: int = MAX_LOGPROBS, num_candidates: int = NUM_CANDIDATES) -> SamplerOutput:
+    """Sample one token per row of logits [S, V]. Jittable; `max_logprobs` and `num_candidates` are static,
+    every knob in `arrays` is data. `penalties=None` statically skips the penalty pass."""
+    x = process_logits(logits, arrays, penalties)  # [S, V]
+    greedy = arrays.temperature < GREEDY_EPS  # [S]
+    tokens = lax.cond(
+        jnp.all(greedy),  # an all-greedy batch skips the RNG and filtering entirely
+        lambda: jnp.argmax(x, axis=-1).astype(jnp.int32),
+        lambda: _sample_random(x, arrays, greedy, num_candidates),
+    )  # [S]
+    logprobs, top_ids, top_logprobs, ranks = _logprob_outputs(logits, tokens, max_logprobs)
+    return SamplerOutput(tokens, logprobs, top_ids, top_logprobs, ranks)
+
+
+def compute_prompt_logprobs(logits: jax.Array, next_ids: jax.Array, k: int) -> PromptLogprobs:
+    """Logprob of each actual next prompt token next_ids [T] under logits [T, V], with the top-k [T, k].
+    `k` is static; padded positions (any id) give values the caller drops."""
+    return PromptLogprobs(*_logprob_outputs(logits, next_ids, k))
+
+
+def _fail(field: str, rule: str, value: Any) -> NoReturn:
+    raise ValueError(f"SamplingParams.{field} must be {rule}, got {value!r}.")
+
+
+def _check_range(p: Any, field: str, default: float, ok: Callable[[Any], bool], rule: str) -> None:
+    value = _get(p, field, default)
+    if not ok(value):
+        _fail(field, rule, value)
+
+
+def _finite(v: Any) -> bool:
+    return isinstance(v, numbers.Real) and math.isfinite(v)
+
+
+def _integer(v: Any) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _check_knobs(p: Any) -> None:
+    """The per-token knobs; each test is written so that NaN fails it."""
+    _check_range(p, "temperature", 1.0, lambda v: _finite(v) and v >= 0, "a finite number >= 0")
+    _check_range(p, "top_p", 1.0, lambda v: _finite(v) and 0 < v <= 1, "in (0, 1]")
+    _check_range(p, "top_k", -1, lambda v: _integer(v) and (v == -1 or v >= 1), "-1 (off) or >= 1")
+    _check_range(p, "min_p", 0.0, lambda v: _finite(v) and 0 <= v <= 1, "in [0, 1]")
+    _check_range(p, "repetition_penalty", 1.0, lambda v: _finite(v) and v > 0, "a finite number > 0")
+    for field in ("presence_penalty", "frequency_penalty"):
+        _check_range(p, field, 0.0, lambda v: _finite(v) and abs(v) <= PENALTY_LIMIT,
+                     f"in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]")
+    _check_range(p, "seed", 0, lambda v: _integer(v), "an integer or None")
+
+
+def _check_counts(p: Any, max_logprobs: int, max_n: int) -> None:
+    max_tokens = _get(p, "max_tokens", 1)
+    _check_range(p, "n", 1, lambda v: _integer(v) and 1 <= v <= max_n, f"in [1, {max_n}]")
+    _check_range(p, "max_tokens", 1, lambda v: _integer(v) and v >= 1, ">= 1")
+    _check_range(p, "min_tokens", 0, lambda v: _integer(v) and 0 <= v <= max_tokens,
+                 f"in [0, max_tokens={max_tokens}]")
+    for field in ("logprobs", "prompt_logprobs"):
+        _check_range(p, field, 0, lambda v: _integer(v) and 0 <= v <= max_logprobs,
+                     f"None or in [0, {max_logprobs}]")
+
+
+def _check_token_ids(p: Any, vocab_size: int, eos_ids: Sequence[int], max_logit_bias: int,
+                     max_stop_ids: int) -> None:
+    bias = _get(p, "logit_bias", {})
+    if len(bias) > max_logit_bias:
+        _fail("logit_bias", f"at most {max_logit_bias} entries", f"{len(bias)} entries")
+    for token, value in bias.items():
+        if not (_integer(token) and 0 <= token < vocab_size):
+            _fail("logit_bias", f"keyed by token ids in [0, {vocab_size})", token)
+        if not (_finite(value) and abs(value) <= LOGIT_BIAS_LIMIT):
+            _fail("logit_bias", f"valued in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]", value)
+    stop = tuple(_get(p, "stop_token_ids", ()))
+    for token in stop:
+        if not (_integer(token) and 0 <= token < vocab_size):
+            _fail("stop_token_ids", f"token ids in [0, {vocab_size})", token)
+    if _get(p, "min_tokens", 0) > 0 and len(_stop_ids(p, eos_ids)) > max_stop_ids:
+        _fail("stop_token_ids", f"at most {max_stop_ids} ids together with EOS when min_tokens > 0", stop)
+
+
+def validate_sampling_params(p: Any, vocab_size: int, max_logprobs: int, max_n: int, *,
+                             eos_ids: Sequence[int] = (), max_logit_bias: int = MAX_LOGIT_BIAS,
+                             max_stop_ids: int = MAX_STOP_IDS) -> None:
+    """Refuse a request the sampler cannot serve exactly: ValueError with one sentence naming the field and
+    the limit. Call at admission so the bad request is refused and the rest keep running."""
+    _check_knobs(p)
+    _check_counts(p, max_logprobs, max_n)
+    _check_token_ids(p, vocab_size, eos_ids, max_logit_bias, max_stop_ids)

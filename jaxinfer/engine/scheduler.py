@@ -1,0 +1,484 @@
+"""Iteration-level continuous batching on the host (pure Python + NumPy, no JAX).
+
+Every sequence carries ``num_computed_tokens`` (tokens whose KV is in the cache) and each step lets it catch up
+towards ``num_tokens`` (vLLM V1 style). There is no separate prefill phase: a decode is a sequence one token
+behind, a prefill chunk is one many tokens behind, and a preempted sequence is one that fell back to 0. So one
+``schedule()`` mixes decodes, continuing prefill chunks and new requests under one token budget:
+
+1. running sequences one token behind (decodes), most urgent first;
+2. running sequences further behind (continuing prefill chunks), most urgent first;
+3. waiting requests by (priority, arrival) while budget, sequence slots and pages last; a prompt longer than
+   the remaining budget is chunked. Nothing is admitted in a step that had to preempt, to avoid thrashing.
+
+When a running sequence needs a page and none is free, the least urgent running sequence (highest priority
+number, then latest arrival) is preempted by recompute: its pages are freed, ``num_computed_tokens`` drops to 0
+and it returns to the waiting queue at its original (priority, arrival) position, ahead of everything that
+arrived after it. Its generated tokens are kept, so on readmission it prefills prompt + output and continues
+exactly where it stopped.
+
+Requests with n > 1 queue only sequence 0. Its prefill stops one token short of the prompt; then the other
+sequences fork from it (sharing every page by refcount) and each runs the last prompt token itself, which gives
+each its own logits row to sample from. The shared, partially filled last page is copied on the first write
+(``reserve_slots``), and the copies travel in the plan.
+
+Cost per ``schedule()``: O(running + newly admitted) plus the new pages and page tables handed to the batcher;
+prefix hashes of a sequence are computed once and cached on it.
+"""
+
+from __future__ import annotations
+
+import bisect
+import heapq
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from jaxinfer.engine.page_table import PageAllocator, PageCopy, OutOfPages, pages_for_tokens, reserve_slots
+from jaxinfer.engine.prefix_cache import PrefixCache
+from jaxinfer.engine.sequence import FinishReason, SeqKey, Sequence, SequenceGroup, SequenceStatus
+
+_QUEUED = (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
+
+
+class RequestRejected(ValueError):
+    """The request can never run under this scheduler's limits; the other requests are unaffected."""
+
+
+class ScheduledSeq(NamedTuple):
+    """One sequence's share of a step (a NamedTuple: immutable and cheap to build hundreds of per step).
+
+    key:        (request_id, seq index).
+    token_ids:  the new tokens to run this step; their KV is written at positions start_pos .. kv_len - 1.
+    start_pos:  absolute position of token_ids[0] (= tokens already in the cache for this sequence).
+    page_ids:   the sequence's page table after this step's growth; covers exactly kv_len positions
+                (len == ceil(kv_len / page_size)); never contains the trash page 0. Pad with 0 to width M.
+    kv_len:     total KV length after the step (start_pos + len(token_ids)); ARCHITECTURE.md's kv_lens[s].
+    sample:     whether the logits of the last new token are sampled into a token for this sequence
+                (true for decodes and for the chunk that reaches the end of prompt + recomputed output).
+    """
+
+    key: SeqKey
+    token_ids: tuple[int, ...]
+    start_pos: int
+    page_ids: tuple[int, ...]
+    kv_len: int
+    sample: bool
+
+    @property
+    def num_new_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What the batcher runs in one step, and what the engine reports back through ``Scheduler.update``.
+
+    seqs:               scheduled sequences: decodes first, then prefill chunks, then newly admitted requests.
+    page_copies:        copy-on-write (src, dst) page copies; the device applies them before writing any KV of
+                        this step (either in list order or all reads before all writes: both are correct).
+    preempted:          keys preempted by recompute this step; their earlier KV is gone and they are queued.
+    num_batched_tokens: sum of len(token_ids); never above max_num_batched_tokens.
+    """
+
+    seqs: tuple[ScheduledSeq, ...]
+    page_copies: tuple[PageCopy, ...]
+    preempted: tuple[SeqKey, ...]
+    num_batched_tokens: int
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+
+@dataclass(slots=True)
+class _Chunk:
+    num_new: int
+    copies: list[PageCopy]
+
+
+@dataclass(slots=True)
+class _PlanBuilder:
+    """Collects one step's chunks; a chunk can be withdrawn when its sequence is preempted later in the step."""
+
+    budget_left: int
+    chunks: dict[Sequence, _Chunk] = field(default_factory=dict)  # insertion order is plan order
+    preempted: list[SeqKey] = field(default_factory=list)
+
+    def __contains__(self, seq: Sequence) -> bool:
+        return seq in self.chunks
+
+    def add(self, seq: Sequence, num_new: int, copies: list[PageCopy]) -> None:
+        self.chunks[seq] = _Chunk(num_new, copies)
+        self.budget_left -= num_new
+
+    def drop(self, seq: Sequence) -> None:
+        chunk = self.chunks.pop(seq, None)
+        if chunk is not None:
+            self.budget_left += chunk.num_new
+
+    def build(self) -> StepPlan:
+        seqs: list[ScheduledSeq] = []
+        copies: list[PageCopy] = []
+        for seq, chunk in self.chunks.items():
+            start = seq.num_computed_tokens
+            end = start + chunk.num_new
+            seqs.append(
+                ScheduledSeq(
+                    key=seq.key,
+                    token_ids=tuple(seq.token_ids[start:end]),
+                    start_pos=start,
+                    page_ids=tuple(seq.page_ids),
+                    kv_len=end,
+                    sample=end == seq.num_tokens,
+                )
+            )
+            copies.extend(chunk.copies)
+        total = sum(c.num_new for c in self.chunks.values())
+        return StepPlan(tuple(seqs), tuple(copies), tuple(self.preempted), total)
+
+
+def _order(seq: Sequence) -> tuple[int, float, int, int]:
+    return seq.order_key
+
+
+class Scheduler:
+    """Decides, step by step, which tokens of which sequences run, and owns their KV pages."""
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        max_model_len: int,
+        enable_prefix_caching: bool = True,
+        max_pages_per_seq: int | None = None,
+    ) -> None:
+        for name, value in (
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+            ("max_model_len", max_model_len),
+        ):
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}.")
+        self.page_size = page_size
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.max_pages_per_seq = max_pages_per_seq or pages_for_tokens(max_model_len, page_size)
+        self.allocator = PageAllocator(num_pages, page_size)
+        self.prefix_cache = PrefixCache(self.allocator) if enable_prefix_caching else None
+        self._groups: dict[str, SequenceGroup] = {}  # unfinished requests
+        self._running: list[Sequence] = []  # sorted by order_key: most urgent first, preemption victim last
+        self._waiting: list[tuple[tuple[int, float, int, int], Sequence]] = []  # heap; finished entries are stale
+        self._num_waiting = 0
+        self._reserved_slots = 0  # slots held for the not yet forked children of running n > 1 parents
+        self._num_preemptions = 0
+
+    # ----------------------------------------------------------------------------------------- public API
+
+    def add(self, group: SequenceGroup) -> None:
+        """Queue a request; raises ``RequestRejected`` if it could never be scheduled."""
+        if group.request_id in self._groups:
+            raise RequestRejected(f"request_id {group.request_id!r} is already in use by an unfinished request.")
+        self._validate(group)
+        self._groups[group.request_id] = group
+        self._push_waiting(group.parent)
+
+    def abort(self, request_id: str) -> list[SeqKey]:
+        """Finish every unfinished sequence of the request with ABORT and free its pages; returns their keys.
+
+        Safe between ``schedule`` and ``update``: ``update`` skips the aborted sequences. The device may still
+        write the in-flight step into the freed pages, which is harmless because pages are only reallocated by
+        the next ``schedule``.
+        """
+        group = self._groups.get(request_id)
+        if group is None:
+            return []
+        keys = [seq.key for seq in group.seqs if not seq.is_finished]
+        for seq in group.seqs:
+            if not seq.is_finished:
+                self._finish(seq, FinishReason.ABORT)
+        return keys
+
+    def schedule(self) -> StepPlan:
+        builder = _PlanBuilder(self.max_num_batched_tokens)
+        self._schedule_running(builder, decodes=True)
+        self._schedule_running(builder, decodes=False)
+        if not builder.preempted:
+            self._admit_waiting(builder)
+        return builder.build()
+
+    def update(
+        self,
+        plan: StepPlan,
+        sampled: Mapping[SeqKey, int],
+        finished: Mapping[SeqKey, FinishReason] | None = None,
+    ) -> list[SeqKey]:
+        """Record that ``plan`` ran: advance computed tokens, append sampled tokens, finish sequences.
+
+        ``sampled`` must hold a token for every entry with ``sample=True`` (aborted ones may be missing).
+        ``finished`` holds the engine's stop decisions, applied after the sampled tokens are appended (so a
+        stop token is in ``output_token_ids``; hiding it is the detokenizer's business). A sequence that
+        reaches ``max_tokens`` or ``max_model_len`` is finished with LENGTH even if the engine did not say so,
+        because it could not be scheduled further. Returns the keys finished by this call.
+        """
+        done: list[SeqKey] = []
+        sampling: list[Sequence] = []
+        for entry in plan.seqs:
+            seq = self._live(entry.key)
+            if seq is not None:
+                self._apply(seq, entry, sampled)
+                if entry.sample:
+                    sampling.append(seq)
+        for key, reason in (finished or {}).items():
+            seq = self._live(key)
+            if seq is not None:
+                self._finish(seq, reason)
+                done.append(key)
+        for seq in sampling:
+            if not seq.is_finished and self._at_length_limit(seq):
+                self._finish(seq, FinishReason.LENGTH)
+                done.append(seq.key)
+        return done
+
+    def has_unfinished(self) -> bool:
+        return bool(self._groups)
+
+    def get_group(self, request_id: str) -> SequenceGroup | None:
+        return self._groups.get(request_id)
+
+    def stats(self) -> dict[str, int | float]:
+        """Engine gauges. ``free_pages`` counts cached-but-unreferenced pages as free (they are reusable)."""
+        return {
+            "num_running": len(self._running),
+            "num_waiting": self._num_waiting,
+            "free_pages": self.allocator.num_free,
+            "total_pages": self.allocator.num_total,
+            "num_preemptions": self._num_preemptions,
+            "prefix_cache_hit_rate": self.prefix_cache.hit_rate if self.prefix_cache else 0.0,
+        }
+
+    # -------------------------------------------------------------------------------------- validation
+
+    def _validate(self, group: SequenceGroup) -> None:
+        parent = group.parent
+        prompt_len = parent.num_prompt_tokens
+        if prompt_len == 0:
+            raise RequestRejected(f"request {group.request_id!r}: the prompt is empty; it needs at least one token.")
+        if prompt_len > self.max_model_len:
+            raise RequestRejected(
+                f"request {group.request_id!r}: prompt has {prompt_len} tokens, more than "
+                f"max_model_len={self.max_model_len}."
+            )
+        if parent.max_tokens is not None and parent.max_tokens < 1:
+            raise RequestRejected(f"request {group.request_id!r}: max_tokens must be at least 1.")
+        if group.n > self.max_num_seqs:
+            raise RequestRejected(
+                f"request {group.request_id!r}: n={group.n} exceeds max_num_seqs={self.max_num_seqs}."
+            )
+        self._validate_pages(group.request_id, parent)
+
+    def _validate_pages(self, request_id: str, seq: Sequence) -> None:
+        # The longest history one sequence can reach; its last sampled token never needs KV.
+        max_len = self.max_model_len
+        if seq.max_tokens is not None:
+            max_len = min(max_len, seq.num_prompt_tokens + seq.max_tokens)
+        needed = pages_for_tokens(max(seq.num_prompt_tokens, max_len - 1), self.page_size)
+        limit = min(self.allocator.num_total, self.max_pages_per_seq)
+        if needed > limit:
+            raise RequestRejected(
+                f"request {request_id!r}: up to {max_len} tokens need {needed} KV pages, more than the "
+                f"{limit} one sequence can hold (num_pages={self.allocator.num_pages} incl. the trash page, "
+                f"max_pages_per_seq={self.max_pages_per_seq}); lower max_tokens or add pages."
+            )
+
+    # -------------------------------------------------------------------------------------- scheduling
+
+    def _schedule_running(self, builder: _PlanBuilder, *, decodes: bool) -> None:
+        for seq in list(self._running):
+            if builder.budget_left == 0:
+                return
+            if seq.status is not SequenceStatus.RUNNING or seq in builder:
+                continue  # preempted earlier in this step, or already scheduled
+            remaining = self._prefill_target(seq) - seq.num_computed_tokens
+            if remaining <= 0 or (remaining == 1) != decodes:
+                continue
+            self._schedule_or_preempt(builder, seq, min(remaining, builder.budget_left))
+
+    def _schedule_or_preempt(self, builder: _PlanBuilder, seq: Sequence, num_new: int) -> None:
+        """Reserve pages for ``num_new`` tokens, preempting the least urgent running sequences as needed."""
+        while True:
+            try:
+                copies = reserve_slots(self.allocator, seq.page_ids, seq.num_computed_tokens, num_new)
+            except OutOfPages:
+                victim = self._running[-1]
+                self._preempt(victim, builder)
+                if victim is seq:
+                    return
+                continue
+            builder.add(seq, num_new, copies)
+            return
+
+    def _try_schedule(self, builder: _PlanBuilder, seq: Sequence) -> bool:
+        """Schedule the next chunk of ``seq`` if budget and free pages allow, without preempting anyone."""
+        num_new = min(self._prefill_target(seq) - seq.num_computed_tokens, builder.budget_left)
+        if num_new <= 0:
+            return False
+        try:
+            copies = reserve_slots(self.allocator, seq.page_ids, seq.num_computed_tokens, num_new)
+        except OutOfPages:
+            return False
+        builder.add(seq, num_new, copies)
+        return True
+
+    def _admit_waiting(self, builder: _PlanBuilder) -> None:
+        # Strict (priority, arrival) order: if the head does not fit, nothing behind it may overtake it.
+        while builder.budget_left > 0:
+            seq = self._peek_waiting()
+            if seq is None or not self._try_admit(seq, builder):
+                return
+
+    def _try_admit(self, seq: Sequence, builder: _PlanBuilder) -> bool:
+        slots = self._groups[seq.request_id].n if self._fork_pending(seq) else 1
+        if len(self._running) + self._reserved_slots + slots > self.max_num_seqs:
+            return False
+        seq.page_ids = self._take_prefix_hits(seq)
+        num_computed = len(seq.page_ids) * self.page_size
+        num_new = min(self._prefill_target(seq) - num_computed, builder.budget_left)
+        try:
+            copies = reserve_slots(self.allocator, seq.page_ids, num_computed, num_new)
+        except OutOfPages:
+            self._release(seq)  # gives the hit pages back to the cache
+            return False
+        heapq.heappop(self._waiting)
+        self._num_waiting -= 1
+        self._start_running(seq, num_computed)
+        self._reserved_slots += slots - 1
+        if self.prefix_cache is not None:
+            self.prefix_cache.record_query(seq.num_tokens, num_computed)
+        if num_new > 0:
+            builder.add(seq, num_new, copies)
+        if self._fork_pending(seq) and num_computed == seq.num_prompt_tokens - 1:
+            self._fork(seq)  # whole prompt but its last token was cached (or the prompt is one token long)
+            for member in self._groups[seq.request_id].seqs:
+                if not self._try_schedule(builder, member):
+                    break
+        return True
+
+    def _take_prefix_hits(self, seq: Sequence) -> list[int]:
+        if self.prefix_cache is None:
+            return []
+        pages = self.prefix_cache.lookup(seq)
+        self.allocator.incref(pages)  # before any allocation, so they cannot be evicted under us
+        return pages
+
+    def _start_running(self, seq: Sequence, num_computed: int) -> None:
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = num_computed
+        seq.num_cached_pages = num_computed // self.page_size  # the prefix-cache hits
+        bisect.insort(self._running, seq, key=_order)
+
+    # ------------------------------------------------------------------------ fork, preempt, finish
+
+    def _fork_pending(self, seq: Sequence) -> bool:
+        return seq.index == 0 and not self._groups[seq.request_id].forked
+
+    def _prefill_target(self, seq: Sequence) -> int:
+        """How many tokens ``num_computed_tokens`` should catch up to."""
+        # A parent about to fork stops one short so each child runs the last prompt token for its own logits.
+        return seq.num_prompt_tokens - 1 if self._fork_pending(seq) else seq.num_tokens
+
+    def _fork(self, parent: Sequence) -> None:
+        group = self._groups[parent.request_id]
+        group.forked = True
+        self._reserved_slots -= group.n - 1
+        for child in group.seqs[1:]:
+            if child.is_finished:
+                continue
+            child.page_ids = self.allocator.fork(parent.page_ids)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.page_hashes = list(parent.page_hashes)  # same prompt, so the same hash chain
+            child.num_cached_pages = parent.num_cached_pages
+            child.status = SequenceStatus.RUNNING
+            bisect.insort(self._running, child, key=_order)
+
+    def _preempt(self, seq: Sequence, builder: _PlanBuilder) -> None:
+        builder.drop(seq)
+        self._running.remove(seq)
+        if self._fork_pending(seq):
+            self._reserved_slots -= self._groups[seq.request_id].n - 1
+        self._release(seq)
+        seq.num_computed_tokens = 0
+        seq.status = SequenceStatus.PREEMPTED
+        self._push_waiting(seq)
+        builder.preempted.append(seq.key)
+        self._num_preemptions += 1
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        group = self._groups[seq.request_id]
+        if seq.status is SequenceStatus.RUNNING:
+            self._running.remove(seq)
+            if self._fork_pending(seq):
+                self._reserved_slots -= group.n - 1
+        elif seq.status in _QUEUED and not self._is_unforked_child(seq):
+            self._num_waiting -= 1  # its heap entry goes stale and is skipped by _peek_waiting
+        if self._fork_pending(seq):
+            group.forked = True  # the children will never fork: finish them with their parent
+            for child in group.seqs[1:]:
+                child.status, child.finish_reason = reason.status, reason
+        self._release(seq)
+        seq.status, seq.finish_reason = reason.status, reason
+        if group.is_finished:
+            del self._groups[seq.request_id]
+
+    def _is_unforked_child(self, seq: Sequence) -> bool:
+        return seq.index > 0 and not self._groups[seq.request_id].forked
+
+    def _release(self, seq: Sequence) -> None:
+        self.allocator.free(seq.page_ids)
+        seq.page_ids = []
+        seq.num_cached_pages = 0
+
+    # -------------------------------------------------------------------------------------- update
+
+    def _apply(self, seq: Sequence, entry: ScheduledSeq, sampled: Mapping[SeqKey, int]) -> None:
+        if seq.status is not SequenceStatus.RUNNING or seq.num_computed_tokens != entry.start_pos:
+            raise RuntimeError(
+                f"plan entry for {entry.key} does not match the sequence (stale plan or update called twice)."
+            )
+        seq.num_computed_tokens = entry.kv_len
+        if entry.sample:
+            if entry.key not in sampled:
+                raise KeyError(f"no sampled token for {entry.key}, which the plan marked as sampling.")
+            seq.append_token(sampled[entry.key])
+        if self.prefix_cache is not None:
+            self.prefix_cache.register_computed(seq)
+        if self._fork_pending(seq) and seq.num_computed_tokens == seq.num_prompt_tokens - 1:
+            self._fork(seq)
+
+    def _at_length_limit(self, seq: Sequence) -> bool:
+        if seq.num_tokens >= self.max_model_len:
+            return True
+        return seq.max_tokens is not None and seq.num_output_tokens >= seq.max_tokens
+
+    def _live(self, key: SeqKey) -> Sequence | None:
+        group = self._groups.get(key[0])
+        if group is None or not 0 <= key[1] < group.n:
+            return None
+        seq = group.seqs[key[1]]
+        return None if seq.is_finished else seq
+
+    # -------------------------------------------------------------------------------------- waiting queue
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        heapq.heappush(self._waiting, (seq.order_key, seq))
+        self._num_waiting += 1
+
+    def _peek_waiting(self) -> Sequence | None:
+        while self._waiting:
+            seq = self._waiting[0][1]
+            if seq.status in _QUEUED:
+                return seq
+            heapq.heappop(self._waiting)  # finished (aborted) while queued
+        return None
