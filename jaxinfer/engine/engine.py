@@ -1,0 +1,386 @@
+"""The engine loop: scheduler (host) -> batcher (host) -> one jitted step (device) -> outputs (host).
+
+Composition, not inheritance: `Scheduler` decides what runs and owns pages, `pack` builds the bucketed
+arrays, `ModelRunner.step` runs forward + sampling on device, `RequestState` turns tokens into text and
+decides stops. This class only wires them and keeps the per-sequence sampling state (seeds, penalty
+slots) that must survive preemption.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from tqdm.auto import tqdm
+
+from jaxinfer.config import CacheConfig, EngineConfig, SamplingParams
+from jaxinfer.engine.batcher import BatchShape, SeqChunk, bucket, buckets_up_to, pack
+from jaxinfer.engine.detokenize import IncrementalDetokenizer
+from jaxinfer.engine.request import RequestState, SeqOutput
+from jaxinfer.engine.runner import ModelRunner, SampleInputs, StepOutput
+from jaxinfer.engine.sampling import (
+    MAX_LOGPROBS,
+    PenaltyState,
+    SamplingArrays,
+    resolve_seed,
+    set_rows,
+    validate_sampling_params,
+)
+from jaxinfer.engine.scheduler import RequestRejected, ScheduledSeq, Scheduler, StepPlan
+from jaxinfer.engine.sequence import FinishReason, SeqKey, SequenceGroup
+from jaxinfer.outputs import RequestOutput
+from jaxinfer.sharding import replicated
+
+MIN_TOKEN_BUCKET = 16
+DEFAULT_MAX_MODEL_LEN = 4096  # when the model allows more; the page table width scales with it
+MAX_N = 16
+
+
+def _pow2(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _uses_penalties(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+class PenaltySlots:
+    """Stable device rows of the penalty state, one per live sequence; rows are reset on (re)admission."""
+
+    def __init__(self, num_slots: int) -> None:
+        self.spare = num_slots  # padding rows read and write this extra row
+        self._free = list(range(num_slots - 1, -1, -1))
+        self._of: dict[SeqKey, int] = {}
+
+    def get(self, key: SeqKey) -> tuple[int, bool]:
+        """(slot, newly assigned)."""
+        if key in self._of:
+            return self._of[key], False
+        slot = self._free.pop()
+        self._of[key] = slot
+        return slot, True
+
+    def release(self, key: SeqKey) -> None:
+        slot = self._of.pop(key, None)
+        if slot is not None:
+            self._free.append(slot)
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: ModelRunner,
+        tokenizer: Any,
+        engine_cfg: EngineConfig,
+        cache_cfg: CacheConfig,
+        *,
+        enable_prefix_caching: bool = True,
+        use_tqdm: bool = True,
+    ) -> None:
+        self.runner, self.tokenizer, self.use_tqdm = runner, tokenizer, use_tqdm
+        cfg = runner.cfg
+        self.vocab_size = cfg.vocab_size
+        self.max_model_len = engine_cfg.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
+        self.page_size = cache_cfg.page_size
+        self.max_num_seqs = engine_cfg.max_num_seqs
+        self.scheduler = Scheduler(
+            num_pages=runner.kv_cache.num_pages,
+            page_size=self.page_size,
+            max_num_seqs=engine_cfg.max_num_seqs,
+            max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
+            max_model_len=self.max_model_len,
+            enable_prefix_caching=enable_prefix_caching,
+        )
+        self.token_buckets = buckets_up_to(_pow2(engine_cfg.max_num_batched_tokens), MIN_TOKEN_BUCKET)
+        self.pages_per_seq = -(-self.max_model_len // self.page_size)
+        self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer else frozenset({cfg.eos_token_id} - {None})
+        self.slots = PenaltySlots(engine_cfg.max_num_seqs)
+        # Placed on the mesh like the step's outputs, so the first step after warmup sees the same sharding.
+        empty = PenaltyState.from_tokens([], [], engine_cfg.max_num_seqs + 1, cfg.vocab_size)
+        self.penalties = jax.device_put(empty, replicated(runner.mesh))
+        self._reset_rows = jax.jit(set_rows, donate_argnums=(0,))
+        self.requests: dict[str, RequestState] = {}
+        self._ids = itertools.count()
+        self._rng = np.random.default_rng()
+        self._compiles_at_warmup: int | None = None
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------------------------------ shapes
+
+    def batch_shape(self, num_tokens: int) -> BatchShape:
+        tokens = bucket(num_tokens, MIN_TOKEN_BUCKET, self.token_buckets[-1])
+        return BatchShape(tokens=tokens, seqs=min(tokens, _pow2(self.max_num_seqs)), pages_per_seq=self.pages_per_seq)
+
+    def warmup(self) -> None:
+        """Compile every bucket now, so serving never compiles (checked by engine_stats)."""
+        bar = tqdm(self.token_buckets, desc="compiling buckets", disable=not self.use_tqdm, leave=False)
+        for t in bar:
+            shape = self.batch_shape(t)
+            self._run(shape, [], [], [])
+        self.penalties = self._reset_rows(self.penalties, *self._reset_args([]))  # also compiled up front
+        self._compiles_at_warmup = self.runner.num_compiles
+
+    # ------------------------------------------------------------------------------------------ requests
+
+    def add_request(
+        self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, request_id: str | None = None,
+        priority: int = 0,
+    ) -> str:
+        """Validate and queue one request; a bad request raises ValueError and nothing else is affected."""
+        params = params or SamplingParams()
+        text, ids = self._encode(prompt)
+        self._validate(ids, params)
+        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
+        group = SequenceGroup.create(rid, ids, n=params.n, priority=priority, max_tokens=params.max_tokens)
+        self.scheduler.add(group)  # raises RequestRejected (a ValueError) before any state changes
+        self.requests[rid] = self._new_state(rid, text, ids, params)
+        return rid
+
+    def _encode(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer; pass prompts as token id lists.")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, [int(t) for t in prompt]
+
+    def _validate(self, ids: list[int], params: SamplingParams) -> None:
+        if not ids:
+            raise RequestRejected("prompt is empty; it needs at least one token.")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}).")
+        if len(ids) >= self.max_model_len:
+            raise RequestRejected(
+                f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate."
+            )
+        validate_sampling_params(params, self.vocab_size, MAX_LOGPROBS, MAX_N, eos_ids=sorted(self.eos_ids))
+        if params.prompt_logprobs is not None and not 0 <= params.prompt_logprobs <= MAX_LOGPROBS:
+            raise RequestRejected(f"SamplingParams.prompt_logprobs must be in [0, {MAX_LOGPROBS}].")
+
+    def _new_state(self, rid: str, text: str | None, ids: list[int], params: SamplingParams) -> RequestState:
+        seeds = [resolve_seed(params.seed, i, self._rng) for i in range(params.n)]
+        detoks = [
+            IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.tokenizer else None
+            for _ in range(params.n)
+        ]
+        return RequestState(rid, text, ids, params, seeds, [SeqOutput(d) for d in detoks], self.eos_ids)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        """Stop a request now; its pages return to the pool and its partial output is returned."""
+        state = self.requests.pop(request_id, None)
+        for key in self.scheduler.abort(request_id):
+            self.slots.release(key)
+        if state is None:
+            return None
+        for i in range(len(state.seqs)):
+            state.finish(i, FinishReason.ABORT)
+        return state.to_output()
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------------------------------ stepping
+
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduling step; outputs of every request that advanced (finished ones included)."""
+        plan = self.scheduler.schedule()
+        for key in plan.preempted:
+            self.slots.release(key)
+        if not plan.seqs:
+            return []
+        now = time.monotonic()
+        for entry in plan.seqs:
+            state = self.requests[entry.key[0]]
+            state.scheduled_time = state.scheduled_time or now
+        out = self._run(self.batch_shape(plan.num_batched_tokens), plan.seqs, plan.page_copies, self._slot_rows(plan))
+        self.num_steps += 1
+        return self._process(plan, out)
+
+    def _slot_rows(self, plan: StepPlan) -> list[int]:
+        rows, resets = [], []
+        for entry in plan.seqs:
+            slot, new = self.slots.get(entry.key)
+            rows.append(slot)
+            state = self.requests[entry.key[0]]
+            if new and _uses_penalties(state.params):
+                group = self.scheduler.get_group(entry.key[0])
+                seq = group.seqs[entry.key[1]]
+                resets.append((slot, seq.prompt_token_ids, seq.output_token_ids))
+        if resets:
+            self.penalties = self._reset_rows(self.penalties, *self._reset_args(resets))
+        return rows
+
+    def _reset_args(self, resets: list[tuple[int, list[int], list[int]]]) -> tuple[np.ndarray, PenaltyState]:
+        num_rows = self.slots.spare + 1
+        rows = np.full(num_rows, self.slots.spare, np.int32)
+        rows[: len(resets)] = [r[0] for r in resets]
+        fresh = PenaltyState.from_tokens([r[1] for r in resets], [r[2] for r in resets], num_rows, self.vocab_size)
+        return rows, fresh
+
+    def _run(self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int]) -> StepOutput:
+        chunks = [SeqChunk(e.token_ids, e.start_pos, e.page_ids) for e in entries]
+        batch = pack(chunks, shape, self.page_size)
+        inputs = self._sample_inputs(shape, entries, copies, slots)
+        self.penalties, out = self.runner.step(self.penalties, batch, inputs)
+        return jax.device_get(out)
+
+    def _sample_inputs(
+        self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int]
+    ) -> SampleInputs:
+        params, steps, seeds = [], [], []
+        for e in entries:
+            state = self.requests[e.key[0]]
+            params.append(state.params)
+            steps.append(len(state.seqs[e.key[1]].token_ids))
+            seeds.append(state.seeds[e.key[1]])
+        sampling = SamplingArrays.from_params(
+            params, shape.seqs, self.vocab_size, steps=steps, seeds=seeds, eos_ids=sorted(self.eos_ids)
+        )
+        slot_arr = np.full(shape.seqs, self.slots.spare, np.int32)
+        slot_arr[: len(slots)] = slots
+        mask = np.zeros(shape.seqs, bool)
+        mask[: len(entries)] = [e.sample for e in entries]
+        src, dst = np.zeros(shape.seqs, np.int32), np.zeros(shape.seqs, np.int32)
+        for i, (s, d) in enumerate(copies):
+            src[i], dst[i] = s, d
+        next_ids, want = self._prompt_next_ids(shape, entries)
+        return SampleInputs(sampling, slot_arr, mask, src, dst, next_ids, np.asarray(want))
+
+    def _prompt_next_ids(self, shape: BatchShape, entries: Sequence[ScheduledSeq]) -> tuple[np.ndarray, bool]:
+        """Next prompt token at each position, for requests that asked for prompt logprobs."""
+        next_ids = np.zeros(shape.tokens, np.int32)
+        want, offset = False, 0
+        for e in entries:
+            state = self.requests[e.key[0]]
+            prompt = state.prompt_token_ids
+            if state.params.prompt_logprobs is not None and e.key[1] == 0 and not state.prompt_logprobs_done:
+                for j in range(len(e.token_ids)):
+                    pos = e.start_pos + j
+                    if pos + 1 < len(prompt):
+                        next_ids[offset + j] = prompt[pos + 1]
+                        want = True
+            offset += len(e.token_ids)
+        return next_ids, want
+
+    # ------------------------------------------------------------------------------------------ outputs
+
+    def _process(self, plan: StepPlan, out: StepOutput) -> list[RequestOutput]:
+        sampled: dict[SeqKey, int] = {}
+        finished: dict[SeqKey, FinishReason] = {}
+        touched: dict[str, RequestState] = {}
+        offset = 0
+        for row, entry in enumerate(plan.seqs):
+            state = self.requests[entry.key[0]]
+            touched[state.request_id] = state
+            self._collect_prompt_logprobs(state, entry, out, offset)
+            offset += len(entry.token_ids)
+            if not entry.sample:
+                continue
+            token = int(out.sampled.tokens[row])
+            sampled[entry.key] = token
+            reason = state.on_token(entry.key[1], token, float(out.sampled.logprobs[row]), self._top(state, out, row, token))
+            if reason is not None:
+                finished[entry.key] = reason
+        for key in self.scheduler.update(plan, sampled, finished):
+            self.slots.release(key)
+            state = self.requests[key[0]]
+            state.finish(key[1], finished.get(key, FinishReason.LENGTH))
+        return self._emit(touched)
+
+    def _top(self, state: RequestState, out: StepOutput, row: int, token: int) -> dict[int, float] | None:
+        k = state.params.logprobs
+        if k is None:
+            return None
+        top = {int(i): float(lp) for i, lp in zip(out.sampled.top_ids[row][:k], out.sampled.top_logprobs[row][:k])}
+        top[token] = float(out.sampled.logprobs[row])
+        return top
+
+    def _collect_prompt_logprobs(self, state: RequestState, entry: ScheduledSeq, out: StepOutput, offset: int) -> None:
+        k = state.params.prompt_logprobs
+        if k is None or entry.key[1] != 0 or state.prompt_logprobs_done:
+            return
+        prompt = state.prompt_token_ids
+        if state.prompt_logprobs is None:
+            state.prompt_logprobs = [None] * len(prompt)
+        for j in range(len(entry.token_ids)):
+            pos = entry.start_pos + j
+            if pos + 1 < len(prompt):
+                row = offset + j
+                top = {int(i): float(lp) for i, lp in zip(out.prompt.top_ids[row][:k], out.prompt.top_logprobs[row][:k])}
+                top[prompt[pos + 1]] = float(out.prompt.logprobs[row])
+                state.prompt_logprobs[pos + 1] = top
+        state.prompt_logprobs_done = entry.start_pos + len(entry.token_ids) >= len(prompt) - 1
+
+    def _emit(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
+        outputs = []
+        for rid, state in touched.items():
+            outputs.append(state.to_output())
+            if state.finished:
+                del self.requests[rid]
+        return outputs
+
+    # ------------------------------------------------------------------------------------------ batch API
+
+    def generate(
+        self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+        use_tqdm: bool | None = None,
+    ) -> list[RequestOutput]:
+        """All prompts to completion; results in input order. Every request is validated before any runs."""
+        ids = self._add_all(prompts, params)
+        results: dict[str, RequestOutput] = {}
+        show = self.use_tqdm if use_tqdm is None else use_tqdm
+        with tqdm(total=len(ids), desc="generating", disable=not show) as bar:
+            while len(results) < len(ids):
+                for out in self.step():
+                    if out.finished and out.request_id in ids:
+                        results[out.request_id] = out
+                        bar.update(1)
+        return [results[rid] for rid in ids]
+
+    def stream(self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+        """Yield each request's incremental output (`delta_text`/`delta_token_ids`) as it advances."""
+        ids = set(self._add_all(prompts, params))
+        done: set[str] = set()
+        try:
+            while done != ids:
+                for out in self.step():
+                    if out.request_id in ids:
+                        done.update([out.request_id] if out.finished else [])
+                        yield out
+        finally:
+            for rid in ids - done:  # the consumer stopped early: free what is left
+                self.abort(rid)
+
+    def _add_all(self, prompts: Any, params: Any) -> list[str]:
+        prompts = normalize_prompts(prompts)
+        param_list = params if isinstance(params, list | tuple) else [params] * len(prompts)
+        if len(param_list) != len(prompts):
+            raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt.")
+        encoded = []
+        for i, (prompt, p) in enumerate(zip(prompts, param_list)):
+            try:
+                _, tokens = self._encode(prompt)
+                self._validate(tokens, p or SamplingParams())
+            except ValueError as e:
+                raise ValueError(f"prompt {i}: {e}") from None
+            encoded.append((prompt, p))
+        return [self.add_request(prompt, p) for prompt, p in encoded]
+
+    def stats(self) -> dict[str, Any]:
+        stats = dict(self.scheduler.stats())
+        after = None if self._compiles_at_warmup is None else self.runner.num_compiles - self._compiles_at_warmup
+        stats.update(num_compiles_after_warmup=after, num_compiles=self.runner.num_compiles, num_steps=self.num_steps)
+        return stats
+
+
+def normalize_prompts(prompts: Any) -> list[str | list[int]]:
+    """A string, a token-id list, or a list of either -> a list of prompts."""
+    if isinstance(prompts, str):
+        return [prompts]
+    if isinstance(prompts, list | tuple) and prompts and all(isinstance(t, int | np.integer) for t in prompts):
+        return [list(prompts)]
+    return list(prompts)

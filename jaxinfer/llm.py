@@ -1,0 +1,146 @@
+"""The user-facing `LLM` class: load a model from a GGUF file, HF directory, orbax directory or preset."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jaxinfer.checkpoint import open_checkpoint
+from jaxinfer.config import CacheConfig, ConfigError, DType, EngineConfig, MeshConfig, ModelConfig
+from jaxinfer.kv_cache import allocate_kv_cache, bytes_per_page
+from jaxinfer.models import family_for_config
+from jaxinfer.params import init_params
+from jaxinfer.presets import BUNDLED, bundled_checkpoint, is_alias, load_preset
+from jaxinfer.sharding import make_mesh, tensor_parallel_rules
+from jaxinfer.tokenizer import Tokenizer, load_tokenizer
+
+JNP_DTYPES = {DType.FLOAT32: jnp.float32, DType.BFLOAT16: jnp.bfloat16, DType.FLOAT16: jnp.float16}
+
+
+def resolve_source(model: str | Path) -> tuple[Any | None, ModelConfig | None]:
+    """(checkpoint, None) for paths and bundled aliases; (None, preset config) for shape-only presets."""
+    name = str(model)
+    if name in BUNDLED:
+        return open_checkpoint(bundled_checkpoint(name)), None
+    if Path(name).expanduser().exists() or not is_alias(name):
+        return open_checkpoint(name), None
+    return None, load_preset(name)
+
+
+def load_model_tokenizer(checkpoint: Any, tokenizer: str | Path | None) -> Tokenizer:
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    if hasattr(checkpoint, "metadata"):  # GGUF: reuse the metadata already read
+        return Tokenizer.from_gguf_metadata(checkpoint.metadata)
+    path = getattr(checkpoint, "tokenizer_path", None) or getattr(checkpoint, "directory", None)
+    return load_tokenizer(path)
+
+
+class LLM:
+    """Offline generation over a jitted, paged, continuously batched engine."""
+
+    def __init__(
+        self,
+        model: str | Path,
+        *,
+        dtype: str = "float32",
+        tensor_parallel_size: int = 1,
+        max_model_len: int | None = None,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 512,
+        page_size: int = 16,
+        num_pages: int | None = None,
+        memory_fraction: float = 0.5,
+        enable_prefix_caching: bool = True,
+        attention_impl: str = "auto",
+        interpret: bool = False,
+        random_weights: bool = False,
+        seed: int = 0,
+        tokenizer: str | Path | None = None,
+        warmup: bool = True,
+        use_tqdm: bool = True,
+    ) -> None:
+        self.engine_config = EngineConfig(
+            dtype=DType(dtype),
+            tensor_parallel_size=tensor_parallel_size,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            attention_impl=attention_impl,
+            interpret=interpret,
+        )
+        self.cache_config = CacheConfig(page_size=page_size, num_pages=num_pages, memory_fraction=memory_fraction)
+        checkpoint, preset = resolve_source(model)
+        if checkpoint is None and not random_weights:
+            raise ConfigError(
+                f"{model!r} is a shape-only preset with no checkpoint; pass random_weights=True or a checkpoint path."
+            )
+        self.model_config: ModelConfig = preset if checkpoint is None else checkpoint.config
+        self.family = family_for_config(self.model_config)
+        self.mesh = make_mesh(MeshConfig(tensor=tensor_parallel_size))
+        self.rules = tensor_parallel_rules(self.model_config, tensor_parallel_size)
+        self.dtype = JNP_DTYPES[self.engine_config.dtype]
+        specs = self.family.param_specs(self.model_config, self.dtype)
+        if random_weights:
+            self.weights = init_params(specs, jax.random.key(seed), self.mesh, self.rules)
+        else:
+            self.weights = checkpoint.load_weights(specs, self.mesh, self.rules)
+        self.tokenizer = None if checkpoint is None and tokenizer is None else load_model_tokenizer(checkpoint, tokenizer)
+        self._build_engine(enable_prefix_caching, warmup, use_tqdm)
+
+    def _num_pages(self) -> int:
+        cache = self.cache_config
+        if cache.num_pages is not None:
+            return cache.num_pages
+        per_page = bytes_per_page(self.model_config, cache.page_size, self.dtype)
+        free = free_device_memory(self.mesh)
+        return max(2, int(free * cache.memory_fraction) // per_page)
+
+    def _build_engine(self, prefix_caching: bool, warmup: bool, use_tqdm: bool) -> None:
+        from jaxinfer.engine.engine import Engine
+        from jaxinfer.engine.runner import ModelRunner
+
+        num_pages = self._num_pages()
+        kv_cache = allocate_kv_cache(
+            self.model_config, num_pages, self.cache_config.page_size, self.dtype, self.mesh, self.rules
+        )
+        runner = ModelRunner(
+            self.family, self.model_config, self.weights, kv_cache, self.mesh, self.rules,
+            attention_impl=self.engine_config.attention_impl, interpret=self.engine_config.interpret,
+        )
+        self.engine = Engine(
+            runner, self.tokenizer, self.engine_config, self.cache_config,
+            enable_prefix_caching=prefix_caching, use_tqdm=use_tqdm,
+        )
+        if warmup:
+            self.engine.warmup()
+
+    def generate(self, prompts: Any, sampling_params: Any = None, *, use_tqdm: bool | None = None) -> list[Any]:
+        """Generate for every prompt (strings or token-id lists); outputs come back in input order."""
+        return self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def chat(self, messages: Any, sampling_params: Any = None, **kwargs: Any) -> list[Any]:
+        """Render conversations with the checkpoint's chat template, then generate."""
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations]
+        return self.generate(prompts, sampling_params, **kwargs)
+
+    def stream(self, prompts: Any, sampling_params: Any = None) -> Any:
+        """Iterate over incremental outputs (`outputs[i].delta_text`) as the engine produces them."""
+        return self.engine.stream(prompts, sampling_params)
+
+    def engine_stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+
+def free_device_memory(mesh: Any) -> int:
+    """Smallest free memory over the mesh's devices; on CPU (no stats) a conservative 2 GiB."""
+    frees = []
+    for device in mesh.devices.flat:
+        stats = device.memory_stats() or {}
+        if "bytes_limit" in stats:
+            frees.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+    return min(frees) if frees else 2 << 30

@@ -1,0 +1,69 @@
+"""Real SmolLM2-135M (bundled GGUF, float32, CPU) against HF transformers goldens (scripts/make_golden.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
+
+pytestmark = pytest.mark.slow
+
+ENGINE_KW = dict(dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_pages=96,
+                 page_size=16, attention_impl="reference", use_tqdm=False)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("smollm2-135m-instruct", **ENGINE_KW)
+
+
+def greedy_params(n_tokens: int) -> SamplingParams:
+    # HF's goldens disable EOS stopping (min_new_tokens == max_new_tokens); ignore_eos does the same here.
+    return SamplingParams(max_tokens=n_tokens, temperature=0.0, ignore_eos=True)
+
+
+def test_greedy_tokens_equal_hf(llm: LLM, smollm2_golden: dict) -> None:
+    cases = smollm2_golden["greedy"]
+    outs = llm.generate([c["prompt_ids"] for c in cases], [greedy_params(c["max_new_tokens"]) for c in cases])
+    for case, out in zip(cases, outs):
+        assert out.token_ids == case["output_ids"], case["prompt"]
+    assert llm.engine_stats()["num_compiles_after_warmup"] == 0
+
+
+def test_prompt_text_tokenizes_like_hf(llm: LLM, smollm2_golden: dict) -> None:
+    for case in smollm2_golden["greedy"]:
+        assert llm.tokenizer.encode(case["prompt"]) == case["prompt_ids"]
+
+
+def test_logits_of_first_decode_steps_within_1e4(llm: LLM, smollm2_golden: dict) -> None:
+    runner = llm.engine.runner
+    shape = BatchShape(tokens=64, seqs=8, pages_per_seq=16)
+    for case in smollm2_golden["logits"]:
+        ids = list(case["prompt_ids"])
+        steps = case["steps"]
+        pages = list(range(80, 84))  # pages above what the engine hands out in this module's tests
+        start = 0
+        for step in steps:
+            n = step["input_len"]
+            while len(ids) < n:  # the golden's inputs grow by its greedy argmax, one token per step
+                ids.append(prev_argmax)
+            logits = np.asarray(runner.logits(pack([SeqChunk(ids[start:n], start, pages)], shape, 16)))[0]
+            start = n
+            idx = np.asarray(step["indices"])
+            want = np.asarray(step["values"], np.float64)
+            assert np.linalg.norm(logits[idx] - want) / np.linalg.norm(want) < 1e-4
+            assert int(logits.argmax()) == step["argmax"]
+            assert np.linalg.norm(logits) == pytest.approx(step["norm"], rel=1e-4)
+            prev_argmax = step["argmax"]
+
+
+def test_tensor_parallel_3_equals_hf(smollm2_golden: dict) -> None:
+    """9 q heads and 3 kv heads over 3 forced CPU devices: each device owns 3 q heads and 1 kv head."""
+    llm3 = LLM("smollm2-135m-instruct", tensor_parallel_size=3, **ENGINE_KW)
+    wq = llm3.weights.layers[0].wq
+    assert {s.data.shape for s in wq.addressable_shards} == {(576, 3, 64)}
+    cases = smollm2_golden["greedy"][:3]
+    outs = llm3.generate([c["prompt_ids"] for c in cases], [greedy_params(c["max_new_tokens"]) for c in cases])
+    assert [o.token_ids for o in outs] == [c["output_ids"] for c in cases]
