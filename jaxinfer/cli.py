@@ -1,0 +1,107 @@
+"""Command line: `jaxinfer generate | batch | convert`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from jaxinfer.checkpoint import CheckpointError
+from jaxinfer.config import ConfigError
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="smollm2-135m-instruct", help="GGUF file, HF/orbax directory or preset alias")
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas_tpu", "pallas_gpu"])
+
+
+def _sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=-1)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="jaxinfer", description="LLM inference on JAX/XLA.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    gen = sub.add_parser("generate", help="generate continuations for prompts")
+    _engine_args(gen)
+    _sampling_args(gen)
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
+    gen.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
+    batch = sub.add_parser("batch", help="run a YAML or gin batch job (resumable)")
+    batch.add_argument("job", help="path to JOB.yaml or JOB.gin")
+    conv = sub.add_parser("convert", help="convert a checkpoint to an orbax directory")
+    conv.add_argument("src")
+    conv.add_argument("dst")
+    conv.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    return parser
+
+
+def _llm(args: argparse.Namespace):  # noqa: ANN202 - imported lazily: JAX start-up is slow for --help
+    from jaxinfer import LLM
+
+    return LLM(
+        args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+        max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens, attention_impl=args.attention_impl,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from jaxinfer import SamplingParams
+
+    llm = _llm(args)
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, seed=args.seed)
+    prompts = args.prompt
+    if args.chat:
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True) for p in prompts]
+    if args.stream:
+        for out in llm.stream(prompts[:1], params):
+            print(out.outputs[0].delta_text, end="", flush=True)
+        print()
+        return 0
+    for prompt, out in zip(args.prompt, llm.generate(prompts, params)):
+        print(f"--- prompt: {prompt!r}")
+        print(out.text)
+    return 0
+
+
+def cmd_convert(args: argparse.Namespace) -> int:
+    from jaxinfer.llm import LLM
+    from jaxinfer.checkpoint.orbax import save_checkpoint
+
+    llm = LLM(args.src, dtype=args.dtype, warmup=False, num_pages=2, use_tqdm=False)
+    path = save_checkpoint(args.dst, llm.model_config, llm.weights, llm.tokenizer)
+    print(f"wrote {path}")
+    return 0
+
+
+def cmd_batch(args: argparse.Namespace) -> int:
+    from jaxinfer.batch import run_job
+
+    run_job(args.job)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"generate": cmd_generate, "convert": cmd_convert, "batch": cmd_batch}
+    try:
+        return handlers[args.command](args)
+    except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
+        print(f"jaxinfer {args.command}: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
