@@ -1,0 +1,186 @@
+"""Checkpoint loaders: layouts, sharded placement, orbax round trip, and one-sentence errors for bad files."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import gguf
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from safetensors.numpy import load_file, save_file
+
+from jaxinfer.checkpoint import CheckpointError, open_checkpoint
+from jaxinfer.checkpoint.gguf import unpermute_rotary_rows
+from jaxinfer.checkpoint.orbax import save_checkpoint
+from jaxinfer.config import MeshConfig
+from jaxinfer.sharding import make_mesh, tensor_parallel_rules
+from tiny_checkpoint import TINY_HF_CONFIG, write_tiny_hf_checkpoint
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory, smollm2_path) -> Path:
+    return write_tiny_hf_checkpoint(tmp_path_factory.mktemp("tiny"), smollm2_path, seed=7)
+
+
+def load(path: Path, tp: int = 1):
+    ckpt = open_checkpoint(path)
+    cfg = ckpt.config
+    mesh, rules = make_mesh(MeshConfig(tensor=tp)), tensor_parallel_rules(cfg, tp)
+    return cfg, ckpt.load_weights(ckpt.family.param_specs(cfg, jnp.float32), mesh, rules)
+
+
+def test_safetensors_layouts_map_to_ours(tiny_dir: Path) -> None:
+    cfg, w = load(tiny_dir)
+    src = load_file(tiny_dir / "model.safetensors")
+    h, n, k = cfg.head_size, cfg.num_heads, cfg.num_kv_heads
+    q = src["model.layers.1.self_attn.q_proj.weight"]  # [N*H, D]
+    np.testing.assert_array_equal(np.asarray(w.layers[1].wq), q.reshape(n, h, -1).transpose(2, 0, 1))
+    o = src["model.layers.0.self_attn.o_proj.weight"]  # [D, N*H]
+    np.testing.assert_array_equal(np.asarray(w.layers[0].wo), o.reshape(-1, n, h).transpose(1, 2, 0))
+    kk = src["model.layers.0.self_attn.k_proj.weight"]
+    assert w.layers[0].wk.shape == (cfg.hidden_size, k, h) and np.allclose(w.layers[0].wk[:, 1, 3], kk[h + 3])
+    np.testing.assert_array_equal(np.asarray(w.layers[0].w_down), src["model.layers.0.mlp.down_proj.weight"].T)
+    np.testing.assert_array_equal(np.asarray(w.lm_head), src["lm_head.weight"].T)
+
+
+def test_sharded_index_and_tensor_parallel_placement(tmp_path: Path, smollm2_path: Path, tiny_dir: Path) -> None:
+    sharded = write_tiny_hf_checkpoint(tmp_path / "sharded", smollm2_path, seed=7, sharded=True)
+    _, single = load(tiny_dir)
+    _, split = load(sharded, tp=2)
+    for a, b in zip(jax.tree.leaves(single), jax.tree.leaves(split)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    shards = split.layers[0].wq.addressable_shards
+    assert {s.data.shape for s in shards} == {(64, 2, 16)}  # each device holds only its two q heads
+
+
+def test_orbax_convert_round_trip(tmp_path: Path, tiny_dir: Path) -> None:
+    from jaxinfer.cli import main
+
+    dst = tmp_path / "orbax"
+    assert main(["convert", str(tiny_dir), str(dst), "--dtype", "float32"]) == 0
+    cfg_a, a = load(tiny_dir)
+    cfg_b, b = load(dst, tp=2)  # restored straight into a 2-way tensor-parallel layout
+    assert cfg_a == cfg_b
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+    assert len({s.index for s in b.layers[0].w_up.addressable_shards}) == 2
+    assert (dst / "tokenizer" / "tokenizer.json").is_file()
+    with pytest.raises(CheckpointError, match="already exists"):
+        save_checkpoint(dst, cfg_a, a, tokenizer=None)
+
+
+def test_unpermute_inverts_llama_cpp_permute() -> None:
+    heads, h, d = 3, 8, 5
+    w = np.random.default_rng(0).standard_normal((heads * h, d))
+    # llama.cpp's converter: within each head, interleave the two rotary halves row by row.
+    permuted = w.reshape(heads, 2, h // 2, d).swapaxes(1, 2).reshape(heads * h, d)
+    np.testing.assert_array_equal(unpermute_rotary_rows(permuted, heads), w)
+
+
+# ---------------------------------------------------------------------------------------- bad files
+
+
+def _copy_dir(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def test_truncated_safetensors(tmp_path: Path, tiny_dir: Path) -> None:
+    d = _copy_dir(tiny_dir, tmp_path / "t")
+    data = (d / "model.safetensors").read_bytes()
+    (d / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointError, match="model.safetensors: not a readable safetensors file, or it is truncated"):
+        load(d)
+
+
+def test_wrong_shape_names_tensor_and_shapes(tmp_path: Path, tiny_dir: Path) -> None:
+    d = _copy_dir(tiny_dir, tmp_path / "s")
+    tensors = load_file(d / "model.safetensors")
+    tensors["model.layers.1.mlp.up_proj.weight"] = tensors["model.layers.1.mlp.up_proj.weight"][:100]
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"'model.layers.1.mlp.up_proj.weight' has shape \[100, 64\] but the "
+                                              r"model config needs \[128, 64\]"):
+        load(d)
+
+
+def test_missing_tensor_is_named(tmp_path: Path, tiny_dir: Path) -> None:
+    d = _copy_dir(tiny_dir, tmp_path / "m")
+    tensors = load_file(d / "model.safetensors")
+    del tensors["model.layers.0.self_attn.v_proj.weight"]
+    save_file(tensors, d / "model.safetensors")
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) model.layers.0.self_attn.v_proj.weight"):
+        load(d)
+
+
+def test_unknown_hf_architecture(tmp_path: Path, tiny_dir: Path) -> None:
+    d = _copy_dir(tiny_dir, tmp_path / "a")
+    (d / "config.json").write_text(json.dumps({**TINY_HF_CONFIG, "architectures": ["FalconForCausalLM"]}))
+    with pytest.raises(CheckpointError, match=r"Unknown HF architecture \['FalconForCausalLM'\]; supported: "):
+        load(d)
+
+
+def test_truncated_gguf(tmp_path: Path, smollm2_path: Path) -> None:
+    path = tmp_path / "cut.gguf"
+    with open(smollm2_path, "rb") as f:
+        path.write_bytes(f.read(50_000_000))
+    with pytest.raises(CheckpointError, match="cut.gguf: not a readable GGUF file, or it is truncated"):
+        load(path)
+
+
+def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> Path:
+    writer = gguf.GGUFWriter(str(path), arch)
+    writer.add_block_count(1)
+    writer.add_embedding_length(8)
+    writer.add_feed_forward_length(16)
+    writer.add_head_count(2)
+    writer.add_head_count_kv(1)
+    writer.add_context_length(64)
+    writer.add_vocab_size(32)
+    for name, value in tensors.items():
+        writer.add_tensor(name, value)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _tiny_gguf_tensors() -> dict[str, np.ndarray]:
+    r = np.random.default_rng(0)
+    t = lambda *s: r.standard_normal(s).astype(np.float32)  # noqa: E731  numpy (torch) layout: [out, in]
+    return {"token_embd.weight": t(32, 8), "output_norm.weight": t(8), "blk.0.attn_norm.weight": t(8),
+            "blk.0.attn_q.weight": t(8, 8), "blk.0.attn_k.weight": t(4, 8), "blk.0.attn_v.weight": t(4, 8),
+            "blk.0.attn_output.weight": t(8, 8), "blk.0.ffn_norm.weight": t(8), "blk.0.ffn_gate.weight": t(16, 8),
+            "blk.0.ffn_up.weight": t(16, 8), "blk.0.ffn_down.weight": t(8, 16)}
+
+
+def test_gguf_writer_round_trip_loads(tmp_path: Path) -> None:
+    tensors = _tiny_gguf_tensors()
+    cfg, w = load(_write_gguf(tmp_path / "ok.gguf", "llama", tensors))
+    assert cfg.tie_word_embeddings and cfg.num_kv_heads == 1
+    np.testing.assert_array_equal(np.asarray(w.layers[0].w_up), tensors["blk.0.ffn_up.weight"].T)
+
+
+def test_unknown_gguf_architecture(tmp_path: Path) -> None:
+    with pytest.raises(CheckpointError, match="Unknown GGUF architecture 'rwkv9'; supported: "):
+        load(_write_gguf(tmp_path / "x.gguf", "rwkv9", _tiny_gguf_tensors()))
+
+
+def test_gguf_missing_and_extra_tensors(tmp_path: Path) -> None:
+    tensors = _tiny_gguf_tensors()
+    del tensors["blk.0.ffn_gate.weight"]
+    with pytest.raises(CheckpointError, match=r"missing tensor\(s\) blk.0.ffn_gate.weight"):
+        load(_write_gguf(tmp_path / "m.gguf", "llama", tensors))
+    extra = {**_tiny_gguf_tensors(), "blk.0.mystery.weight": np.zeros(8, np.float32)}
+    with pytest.raises(CheckpointError, match=r"unexpected tensor\(s\) blk.0.mystery.weight"):
+        load(_write_gguf(tmp_path / "e.gguf", "llama", extra))
+
+
+def test_gguf_wrong_shape(tmp_path: Path) -> None:
+    tensors = {**_tiny_gguf_tensors(), "blk.0.attn_k.weight": np.zeros((6, 8), np.float32)}
+    with pytest.raises(CheckpointError, match=r"'blk.0.attn_k.weight' has shape \[6, 8\] but the model config needs \[4, 8\]"):
+        load(_write_gguf(tmp_path / "w.gguf", "llama", tensors))
