@@ -9,17 +9,18 @@ embedding (HF half-split convention) applies unchanged.
 from __future__ import annotations
 
 import dataclasses
+import math
 from functools import cached_property
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGUFReader
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from jax.sharding import Mesh
 
 from jaxinfer.checkpoint.assemble import CheckpointError, TensorRule, TensorSource, assemble_weights
-from jaxinfer.checkpoint.gguf_metadata import read_gguf_metadata
+from jaxinfer.checkpoint.gguf_metadata import GGUFMetadataError, TensorInfo, read_gguf_layout
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.models import ModelFamily, family_for_gguf
 from jaxinfer.models.common import llama3_inv_freq, rope_inv_freq
@@ -27,14 +28,6 @@ from jaxinfer.sharding import ShardingRules
 
 # Tensors llama.cpp files may carry that we derive ourselves (checked, then not loaded).
 _DERIVED_TENSORS = ("rope_freqs.weight",)
-
-
-def open_reader(path: Path) -> GGUFReader:
-    """Open a GGUF file, turning a truncated or foreign file into one clear sentence."""
-    try:
-        return GGUFReader(path)
-    except (ValueError, OSError, IndexError, KeyError) as e:
-        raise CheckpointError(f"{path}: not a readable GGUF file, or it is truncated ({e}).") from None
 
 
 def unpermute_rotary_rows(w: np.ndarray, num_heads: int) -> np.ndarray:
@@ -51,21 +44,26 @@ class GGUFCheckpoint:
     path: Path
 
     @cached_property
-    def reader(self) -> GGUFReader:
+    def _layout(self) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
         if not self.path.is_file():
             raise CheckpointError(f"{self.path}: no such GGUF file.")
-        return open_reader(self.path)
-
-    @cached_property
-    def metadata(self) -> dict[str, Any]:
         try:
-            return read_gguf_metadata(self.reader)
-        except ValueError as e:
-            raise CheckpointError(f"{self.path}: unreadable GGUF metadata ({e}).") from None
+            meta, infos = read_gguf_layout(self.path)
+        except GGUFMetadataError as e:
+            raise CheckpointError(f"{e} (not a readable GGUF file, or it is truncated)") from None
+        return meta, {t.name: t for t in infos}
+
+    @property
+    def metadata(self) -> dict[str, Any]:
+        return self._layout[0]
+
+    @property
+    def tensors(self) -> dict[str, TensorInfo]:
+        return self._layout[1]
 
     @cached_property
-    def tensors(self) -> dict[str, Any]:
-        return {t.name: t for t in self.reader.tensors}
+    def _data(self) -> np.memmap:
+        return np.memmap(self.path, dtype=np.uint8, mode="r")
 
     @cached_property
     def family(self) -> ModelFamily:
@@ -103,15 +101,29 @@ class GGUFCheckpoint:
         return cfg
 
     def _read(self, name: str) -> np.ndarray:
+        """Dequantize one tensor to float32 in NumPy (row-major) shape."""
         t = self.tensors[name]
         try:
-            w = dequantize(np.asarray(t.data), t.tensor_type)  # plain array: memmap views are slow here
+            qtype = GGMLQuantizationType(t.type_code)
+        except ValueError:
+            raise CheckpointError(f"{self.path}: tensor {name!r} has unknown GGML type code {t.type_code}.") from None
+        block, type_size = GGML_QUANT_SIZES[qtype]
+        row_bytes = t.dims[0] // block * type_size
+        rows = math.prod(t.dims[1:])
+        end = t.offset + rows * row_bytes
+        if end > self._data.size:
+            raise CheckpointError(
+                f"{self.path}: truncated: tensor {name!r} needs bytes up to {end} but the file has {self._data.size}."
+            )
+        raw = np.array(self._data[t.offset : end]).reshape(rows, row_bytes)  # a plain copy: memmap views are slow
+        try:
+            w = dequantize(raw, qtype)
         except (NotImplementedError, ValueError) as e:
-            raise CheckpointError(f"{self.path}: cannot dequantize tensor {name!r} ({t.tensor_type.name}: {e}).") from None
-        return w.reshape(tuple(int(d) for d in reversed(t.shape)))  # GGML lists dims innermost first
+            raise CheckpointError(f"{self.path}: cannot dequantize tensor {name!r} ({qtype.name}: {e}).") from None
+        return w.reshape(self._shape(name))
 
     def _shape(self, name: str) -> tuple[int, ...]:
-        return tuple(int(d) for d in reversed(self.tensors[name].shape))
+        return tuple(int(d) for d in reversed(self.tensors[name].dims))  # GGML lists dims innermost first
 
     def load_weights(self, specs: Any, mesh: Mesh, rules: ShardingRules) -> Any:
         cfg = self.config

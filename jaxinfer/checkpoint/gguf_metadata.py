@@ -17,6 +17,7 @@ and large. The pseudo keys `GGUF.version`, `GGUF.tensor_count` and `GGUF.kv_coun
 
 from __future__ import annotations
 
+import dataclasses
 import mmap
 import os
 import struct
@@ -26,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["GGUFMetadataError", "NUMPY_ARRAY_MIN_LEN", "read_gguf_metadata"]
+__all__ = ["GGUFMetadataError", "NUMPY_ARRAY_MIN_LEN", "TensorInfo", "read_gguf_layout", "read_gguf_metadata"]
 
 # Numeric arrays this long or longer come back as NumPy arrays; shorter ones (rope sections, per-layer
 # head counts) as lists, which is what configuration code wants to compare and serialize.
@@ -140,6 +141,10 @@ def _byte_order(buf: memoryview) -> str:
 
 
 def _parse(buf: memoryview) -> dict[str, Any]:
+    return _parse_header(buf)[0]
+
+
+def _parse_header(buf: memoryview) -> tuple[dict[str, Any], _Cursor]:
     if len(buf) < 8 or bytes(buf[:4]) != _MAGIC:
         raise GGUFMetadataError("does not start with the GGUF magic bytes")
     cur = _Cursor(buf, _byte_order(buf))
@@ -152,7 +157,44 @@ def _parse(buf: memoryview) -> dict[str, Any]:
     for _ in range(kv_count):
         key = cur.string()
         meta[key] = _value(cur, cur.scalar("I"))
-    return meta
+    return meta, cur
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """Where one tensor's bytes are: GGML dims (innermost first), quant type code, absolute file offset."""
+
+    name: str
+    dims: tuple[int, ...]
+    type_code: int
+    offset: int
+
+
+def _tensor_infos(meta: dict[str, Any], cur: _Cursor) -> list[TensorInfo]:
+    """The tensor-info table that follows the key/values; offsets made absolute (aligned data start)."""
+    raw = []
+    for _ in range(meta["GGUF.tensor_count"]):
+        name = cur.string()
+        dims = tuple(cur.scalar("Q") for _ in range(cur.scalar("I")))
+        raw.append((name, dims, cur.scalar("I"), cur.scalar("Q")))
+    alignment = int(meta.get("general.alignment", 32))
+    data_start = -(-cur.pos // alignment) * alignment
+    return [TensorInfo(name, dims, code, data_start + off) for name, dims, code, off in raw]
+
+
+def read_gguf_layout(path: str | os.PathLike[str]) -> tuple[dict[str, Any], list[TensorInfo]]:
+    """Metadata plus the tensor table, without `GGUFReader` (whose construction takes seconds per file)."""
+    name = os.fspath(path)
+    with _mapped(path) as buf:
+        try:
+            meta, cur = _parse_header(buf)
+            if cur.order != "<":
+                raise GGUFMetadataError("big-endian tensor data is not supported")
+            return meta, _tensor_infos(meta, cur)
+        except _Truncated:
+            raise GGUFMetadataError(f"{name} is truncated: it ends inside its header or tensor table.") from None
+        except GGUFMetadataError as e:
+            raise GGUFMetadataError(f"{name} is not a readable GGUF file: {e}.") from None
 
 
 @contextmanager

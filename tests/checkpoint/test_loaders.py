@@ -127,7 +127,12 @@ def test_truncated_gguf(tmp_path: Path, smollm2_path: Path) -> None:
     path = tmp_path / "cut.gguf"
     with open(smollm2_path, "rb") as f:
         path.write_bytes(f.read(50_000_000))
-    with pytest.raises(CheckpointError, match="cut.gguf: not a readable GGUF file, or it is truncated"):
+    with pytest.raises(CheckpointError, match=r"cut.gguf: truncated: tensor '[\w.]+' needs bytes up to \d+ but the "
+                                              r"file has 50000000"):
+        load(path)
+    with open(smollm2_path, "rb") as f:
+        path.write_bytes(f.read(100_000))  # ends inside the vocabulary in the header
+    with pytest.raises(CheckpointError, match="cut.gguf is truncated: it ends inside its header"):
         load(path)
 
 
