@@ -103,8 +103,19 @@ def run_job(path: str | Path, *, use_tqdm: bool = True) -> dict[str, Any]:
         summary = stats.summary(llm.engine_stats() if llm else {}, skipped)
     summary_path = out_path.with_suffix(".summary.json")
     summary_path.write_text(json.dumps(summary, indent=1), encoding="utf-8")
-    print(json.dumps(summary, indent=1))
+    _print_report(out_path, summary)
     return summary
+
+
+def _print_report(out_path: Path, summary: dict[str, Any], show: int = 8) -> None:
+    """A few finished texts (so a quick job shows its results) and the summary."""
+    lines = out_path.read_text(encoding="utf-8").splitlines()
+    for line in lines[:show]:
+        record = json.loads(line)
+        print(f"[{record['id']}] {record.get('text', record.get('error'))!s}".replace("\n", " "))
+    if len(lines) > show:
+        print(f"... {len(lines) - show} more in {out_path}")
+    print(json.dumps(summary, indent=1))
 
 
 def _load_llm(job: BatchJob, use_tqdm: bool) -> Any:
