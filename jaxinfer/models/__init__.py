@@ -8,7 +8,7 @@ from typing import Any
 
 from jaxinfer.checkpoint.assemble import CheckpointError, TensorRule
 from jaxinfer.config import ModelConfig
-from jaxinfer.models import llama
+from jaxinfer.models import gemma3, llama
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,7 +38,19 @@ LLAMA = ModelFamily(
     hf_architectures=("LlamaForCausalLM", "MistralForCausalLM"),
 )
 
-FAMILIES: dict[str, ModelFamily] = {LLAMA.name: LLAMA}
+GEMMA3 = ModelFamily(
+    name="gemma3",
+    param_specs=gemma3.param_specs,
+    forward=gemma3.forward,
+    compute_logits=gemma3.compute_logits,
+    checkpoint_rules=gemma3.checkpoint_rules,
+    config_from_gguf=gemma3.config_from_gguf,
+    config_from_hf=gemma3.config_from_hf,
+    gguf_architectures=("gemma3",),
+    hf_architectures=("Gemma3ForCausalLM",),
+)
+
+FAMILIES: dict[str, ModelFamily] = {LLAMA.name: LLAMA, GEMMA3.name: GEMMA3}
 
 
 def _supported(attr: str) -> str:
