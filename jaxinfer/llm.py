@@ -20,8 +20,10 @@ from jaxinfer.tokenizer import Tokenizer, load_tokenizer
 JNP_DTYPES = {DType.FLOAT32: jnp.float32, DType.BFLOAT16: jnp.bfloat16, DType.FLOAT16: jnp.float16}
 
 
-def resolve_source(model: str | Path) -> tuple[Any | None, ModelConfig | None]:
-    """(checkpoint, None) for paths and bundled aliases; (None, preset config) for shape-only presets."""
+def resolve_source(model: str | Path | ModelConfig) -> tuple[Any | None, ModelConfig | None]:
+    """(checkpoint, None) for paths and bundled aliases; (None, config) for shape-only presets and configs."""
+    if isinstance(model, ModelConfig):
+        return None, model
     name = str(model)
     if name in BUNDLED:
         return open_checkpoint(bundled_checkpoint(name)), None
@@ -44,7 +46,7 @@ class LLM:
 
     def __init__(
         self,
-        model: str | Path,
+        model: str | Path | ModelConfig,
         *,
         dtype: str = "float32",
         tensor_parallel_size: int = 1,
@@ -55,6 +57,7 @@ class LLM:
         num_pages: int | None = None,
         memory_fraction: float = 0.5,
         enable_prefix_caching: bool = True,
+        decode_steps_per_call: int = 1,
         attention_impl: str = "auto",
         interpret: bool = False,
         random_weights: bool = False,
@@ -73,23 +76,30 @@ class LLM:
             interpret=interpret,
         )
         self.cache_config = CacheConfig(page_size=page_size, num_pages=num_pages, memory_fraction=memory_fraction)
+        self.decode_steps_per_call = decode_steps_per_call
         checkpoint, preset = resolve_source(model)
         if checkpoint is None and not random_weights:
             raise ConfigError(
-                f"{model!r} is a shape-only preset with no checkpoint; pass random_weights=True or a checkpoint path."
+                f"{model!r} is a shape-only preset or config with no checkpoint; pass random_weights=True or a "
+                "checkpoint path."
             )
         self.model_config: ModelConfig = preset if checkpoint is None else checkpoint.config
         self.family = family_for_config(self.model_config)
         self.mesh = make_mesh(MeshConfig(tensor=tensor_parallel_size))
         self.rules = tensor_parallel_rules(self.model_config, tensor_parallel_size)
         self.dtype = JNP_DTYPES[self.engine_config.dtype]
+        self.weights = self._load_weights(checkpoint, random_weights, seed)
+        if checkpoint is None and tokenizer is None:
+            self.tokenizer = None
+        else:
+            self.tokenizer = load_model_tokenizer(checkpoint, tokenizer)
+        self._build_engine(enable_prefix_caching, warmup, use_tqdm)
+
+    def _load_weights(self, checkpoint: Any, random_weights: bool, seed: int) -> Any:
         specs = self.family.param_specs(self.model_config, self.dtype)
         if random_weights:
-            self.weights = init_params(specs, jax.random.key(seed), self.mesh, self.rules)
-        else:
-            self.weights = checkpoint.load_weights(specs, self.mesh, self.rules)
-        self.tokenizer = None if checkpoint is None and tokenizer is None else load_model_tokenizer(checkpoint, tokenizer)
-        self._build_engine(enable_prefix_caching, warmup, use_tqdm)
+            return init_params(specs, jax.random.key(seed), self.mesh, self.rules)
+        return checkpoint.load_weights(specs, self.mesh, self.rules)
 
     def _num_pages(self) -> int:
         cache = self.cache_config
@@ -114,6 +124,7 @@ class LLM:
         self.engine = Engine(
             runner, self.tokenizer, self.engine_config, self.cache_config,
             enable_prefix_caching=prefix_caching, use_tqdm=use_tqdm,
+            decode_steps_per_call=self.decode_steps_per_call,
         )
         if warmup:
             self.engine.warmup()
@@ -125,7 +136,9 @@ class LLM:
     def chat(self, messages: Any, sampling_params: Any = None, **kwargs: Any) -> list[Any]:
         """Render conversations with the checkpoint's chat template, then generate."""
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations]
+        prompts = [
+            self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations
+        ]
         return self.generate(prompts, sampling_params, **kwargs)
 
     def stream(self, prompts: Any, sampling_params: Any = None) -> Any:

@@ -4,6 +4,16 @@ Composition, not inheritance: `Scheduler` decides what runs and owns pages, `pac
 arrays, `ModelRunner.step` runs forward + sampling on device, `RequestState` turns tokens into text and
 decides stops. This class only wires them and keeps the per-sequence sampling state (seeds, penalty
 slots) that must survive preemption.
+
+Multi-step decode (`decode_steps_per_call` = N > 1): when a plan holds only decodes (one token each, no
+prefill chunk, no preemption), the runner runs up to N decode iterations in one device call. The scheduler
+reserved pages for one token only, so the call runs k = min(N, room) iterations, where room is the least
+number of free positions left in any row's last page (page size 1 or a full last page: k = 1, the single
+step path). The host then replays the k iterations through the ordinary path: `Scheduler.update` once per
+iteration with the plan the scheduler would have made (each still running row decodes its new token), so
+stop strings, detokenization, prefix-cache registration and LENGTH limits behave exactly as with N = 1.
+Tokens a row sampled after the host stopped it are dropped. Waiting requests are admitted at the next
+schedule(), i.e. at most k - 1 iterations later than with N = 1.
 """
 
 from __future__ import annotations
@@ -21,10 +31,13 @@ from jaxinfer.config import CacheConfig, EngineConfig, SamplingParams
 from jaxinfer.engine.batcher import BatchShape, SeqChunk, bucket, buckets_up_to, pack
 from jaxinfer.engine.detokenize import IncrementalDetokenizer
 from jaxinfer.engine.request import RequestState, SeqOutput
-from jaxinfer.engine.runner import ModelRunner, SampleInputs, StepOutput
+from jaxinfer.engine.runner import DecodeInputs, ModelRunner, SampleInputs, StepOutput
 from jaxinfer.engine.sampling import (
     MAX_LOGPROBS,
+    MAX_STOP_IDS,
     PenaltyState,
+    PromptLogprobs,
+    SamplerOutput,
     SamplingArrays,
     resolve_seed,
     set_rows,
@@ -80,15 +93,17 @@ class Engine:
         *,
         enable_prefix_caching: bool = True,
         use_tqdm: bool = True,
+        decode_steps_per_call: int = 1,
     ) -> None:
         self.runner, self.tokenizer, self.use_tqdm = runner, tokenizer, use_tqdm
+        self.decode_steps_per_call = _at_least_one("decode_steps_per_call", decode_steps_per_call)
         cfg = runner.cfg
         self.vocab_size = cfg.vocab_size
         self.max_model_len = engine_cfg.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
         self.page_size = cache_cfg.page_size
         self.max_num_seqs = engine_cfg.max_num_seqs
         self.scheduler = Scheduler(
-            num_pages=runner.kv_cache.num_pages,
+            num_pages=_pool_size(cache_cfg, runner),
             page_size=self.page_size,
             max_num_seqs=engine_cfg.max_num_seqs,
             max_num_batched_tokens=engine_cfg.max_num_batched_tokens,
@@ -121,6 +136,8 @@ class Engine:
         for t in bar:
             shape = self.batch_shape(t)
             self._run(shape, [], [], [])
+        if self.decode_steps_per_call > 1:
+            self._run_decodes([], [], [], 0)
         self.penalties = self._reset_rows(self.penalties, *self._reset_args([]))  # also compiled up front
         self._compiles_at_warmup = self.runner.num_compiles
 
@@ -158,6 +175,8 @@ class Engine:
                 f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate."
             )
         validate_sampling_params(params, self.vocab_size, MAX_LOGPROBS, MAX_N, eos_ids=sorted(self.eos_ids))
+        if params.stop and self.tokenizer is None:
+            raise RequestRejected("SamplingParams.stop needs a tokenizer to match stop strings; use stop_token_ids.")
         if params.prompt_logprobs is not None and not 0 <= params.prompt_logprobs <= MAX_LOGPROBS:
             raise RequestRejected(f"SamplingParams.prompt_logprobs must be in [0, {MAX_LOGPROBS}].")
 
@@ -196,9 +215,83 @@ class Engine:
         for entry in plan.seqs:
             state = self.requests[entry.key[0]]
             state.scheduled_time = state.scheduled_time or now
-        out = self._run(self.batch_shape(plan.num_batched_tokens), plan.seqs, plan.page_copies, self._slot_rows(plan))
+        num_iterations = self._decode_iterations(plan)
+        if num_iterations > 1:
+            touched = self._step_decodes(plan, num_iterations)
+        else:
+            shape = self.batch_shape(plan.num_batched_tokens)
+            out = self._run(shape, plan.seqs, plan.page_copies, self._slot_rows(plan))
+            touched = self._apply(plan, out.sampled, out.prompt, range(len(plan.seqs)))
         self.num_steps += 1
-        return self._process(plan, out)
+        return self._emit(touched)
+
+    # ------------------------------------------------------------------------------------ multi-step decode
+
+    def _decode_iterations(self, plan: StepPlan) -> int:
+        """Decode iterations one device call may run for `plan`: 1 unless it holds only decodes, and never
+        more than the free positions left in any row's last page (the scheduler reserved one token)."""
+        if self.decode_steps_per_call == 1 or plan.preempted:
+            return 1
+        room = self.decode_steps_per_call
+        for e in plan.seqs:
+            if e.num_new_tokens != 1 or not e.sample:
+                return 1
+            room = min(room, len(e.page_ids) * self.page_size - e.start_pos)
+        return room
+
+    def decode_shape(self) -> BatchShape:
+        """The one bucket of multi-step calls: one token per row (T == S)."""
+        rows = _pow2(self.max_num_seqs)
+        return BatchShape(tokens=rows, seqs=rows, pages_per_seq=self.pages_per_seq)
+
+    def _step_decodes(self, plan: StepPlan, num_iterations: int) -> dict[str, RequestState]:
+        out = self._run_decodes(plan.seqs, plan.page_copies, self._slot_rows(plan), num_iterations)
+        touched: dict[str, RequestState] = {}
+        rows: list[int] = list(range(len(plan.seqs)))
+        for i in range(num_iterations):
+            sampled = SamplerOutput(*(a[i] for a in out.sampled))
+            touched.update(self._apply(plan, sampled, None, rows))
+            if i + 1 < num_iterations:
+                plan, rows = self._next_decodes(plan, rows, sampled.tokens, out.valid[i + 1])
+        return touched
+
+    def _run_decodes(
+        self, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int], num_iterations: int
+    ) -> Any:
+        shape = self.decode_shape()
+        batch = pack([SeqChunk(e.token_ids, e.start_pos, e.page_ids) for e in entries], shape, self.page_size)
+        inputs = self._sample_inputs(shape, entries, copies, slots)
+        decode = self._decode_inputs(shape, entries, num_iterations)
+        self.penalties, out = self.runner.decode_steps(
+            self.penalties, batch, inputs, decode, max_steps=self.decode_steps_per_call
+        )
+        return jax.device_get(out)
+
+    def _decode_inputs(self, shape: BatchShape, entries: Sequence[ScheduledSeq], num_iterations: int) -> DecodeInputs:
+        budget = np.zeros(shape.seqs, np.int32)  # [S]
+        stop_ids = np.full((shape.seqs, MAX_STOP_IDS), -1, np.int32)  # [S, E]
+        for row, e in enumerate(entries):
+            state = self.requests[e.key[0]]
+            generated = len(state.seqs[e.key[1]].token_ids)
+            budget[row] = min(state.params.max_tokens - generated, self.max_model_len - e.kv_len)
+            # The device only needs to stop early; the host checks every stop id again, so truncating is safe.
+            ids = state.stop_ids()[:MAX_STOP_IDS]
+            stop_ids[row, : len(ids)] = ids
+        return DecodeInputs(budget=budget, stop_ids=stop_ids, num_steps=np.asarray(num_iterations, np.int32))
+
+    def _next_decodes(
+        self, plan: StepPlan, rows: list[int], tokens: np.ndarray, valid: np.ndarray
+    ) -> tuple[StepPlan, list[int]]:
+        """The plan the scheduler would make for the next iteration: every row still running on the host and
+        on the device decodes the token it just sampled (tokens, valid: [S])."""
+        entries, kept = [], []
+        for row, e in zip(rows, plan.seqs):
+            group = self.scheduler.get_group(e.key[0])
+            if group is None or group.seqs[e.key[1]].is_finished or not valid[row]:
+                continue
+            entries.append(ScheduledSeq(e.key, (int(tokens[row]),), e.kv_len, e.page_ids, e.kv_len + 1, True))
+            kept.append(row)
+        return StepPlan(tuple(entries), (), (), len(entries)), kept
 
     def _slot_rows(self, plan: StepPlan) -> list[int]:
         rows, resets = [], []
@@ -221,7 +314,9 @@ class Engine:
         fresh = PenaltyState.from_tokens([r[1] for r in resets], [r[2] for r in resets], num_rows, self.vocab_size)
         return rows, fresh
 
-    def _run(self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int]) -> StepOutput:
+    def _run(
+        self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int]
+    ) -> StepOutput:
         chunks = [SeqChunk(e.token_ids, e.start_pos, e.page_ids) for e in entries]
         batch = pack(chunks, shape, self.page_size)
         inputs = self._sample_inputs(shape, entries, copies, slots)
@@ -268,38 +363,45 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------ outputs
 
-    def _process(self, plan: StepPlan, out: StepOutput) -> list[RequestOutput]:
+    def _apply(
+        self, plan: StepPlan, out: SamplerOutput, prompt: PromptLogprobs | None, rows: Sequence[int]
+    ) -> dict[str, RequestState]:
+        """Hand one iteration's results (entry j of the plan is row rows[j] of `out`) to the request states
+        and the scheduler; returns the requests that advanced."""
         sampled: dict[SeqKey, int] = {}
         finished: dict[SeqKey, FinishReason] = {}
         touched: dict[str, RequestState] = {}
         offset = 0
-        for row, entry in enumerate(plan.seqs):
+        for row, entry in zip(rows, plan.seqs):
             state = self.requests[entry.key[0]]
             touched[state.request_id] = state
-            self._collect_prompt_logprobs(state, entry, out, offset)
+            if prompt is not None:
+                self._collect_prompt_logprobs(state, entry, prompt, offset)
             offset += len(entry.token_ids)
             if not entry.sample:
                 continue
-            token = int(out.sampled.tokens[row])
+            token = int(out.tokens[row])
             sampled[entry.key] = token
-            reason = state.on_token(entry.key[1], token, float(out.sampled.logprobs[row]), self._top(state, out, row, token))
+            reason = state.on_token(entry.key[1], token, float(out.logprobs[row]), self._top(state, out, row, token))
             if reason is not None:
                 finished[entry.key] = reason
         for key in self.scheduler.update(plan, sampled, finished):
             self.slots.release(key)
             state = self.requests[key[0]]
             state.finish(key[1], finished.get(key, FinishReason.LENGTH))
-        return self._emit(touched)
+        return touched
 
-    def _top(self, state: RequestState, out: StepOutput, row: int, token: int) -> dict[int, float] | None:
+    def _top(self, state: RequestState, out: SamplerOutput, row: int, token: int) -> dict[int, float] | None:
         k = state.params.logprobs
         if k is None:
             return None
-        top = {int(i): float(lp) for i, lp in zip(out.sampled.top_ids[row][:k], out.sampled.top_logprobs[row][:k])}
-        top[token] = float(out.sampled.logprobs[row])
+        top = {int(i): float(lp) for i, lp in zip(out.top_ids[row][:k], out.top_logprobs[row][:k])}
+        top[token] = float(out.logprobs[row])
         return top
 
-    def _collect_prompt_logprobs(self, state: RequestState, entry: ScheduledSeq, out: StepOutput, offset: int) -> None:
+    def _collect_prompt_logprobs(
+        self, state: RequestState, entry: ScheduledSeq, out: PromptLogprobs, offset: int
+    ) -> None:
         k = state.params.prompt_logprobs
         if k is None or entry.key[1] != 0 or state.prompt_logprobs_done:
             return
@@ -310,8 +412,8 @@ class Engine:
             pos = entry.start_pos + j
             if pos + 1 < len(prompt):
                 row = offset + j
-                top = {int(i): float(lp) for i, lp in zip(out.prompt.top_ids[row][:k], out.prompt.top_logprobs[row][:k])}
-                top[prompt[pos + 1]] = float(out.prompt.logprobs[row])
+                top = {int(i): float(lp) for i, lp in zip(out.top_ids[row][:k], out.top_logprobs[row][:k])}
+                top[prompt[pos + 1]] = float(out.logprobs[row])
                 state.prompt_logprobs[pos + 1] = top
         state.prompt_logprobs_done = entry.start_pos + len(entry.token_ids) >= len(prompt) - 1
 
@@ -341,7 +443,9 @@ class Engine:
                         bar.update(1)
         return [results[rid] for rid in ids]
 
-    def stream(self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None = None) -> Iterator[RequestOutput]:
+    def stream(
+        self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> Iterator[RequestOutput]:
         """Yield each request's incremental output (`delta_text`/`delta_token_ids`) as it advances."""
         ids = set(self._add_all(prompts, params))
         done: set[str] = set()
@@ -359,7 +463,9 @@ class Engine:
         prompts = normalize_prompts(prompts)
         param_list = params if isinstance(params, list | tuple) else [params] * len(prompts)
         if len(param_list) != len(prompts):
-            raise ValueError(f"got {len(param_list)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt.")
+            raise ValueError(
+                f"got {len(param_list)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt."
+            )
         encoded = []
         for i, (prompt, p) in enumerate(zip(prompts, param_list)):
             try:
@@ -368,13 +474,35 @@ class Engine:
             except ValueError as e:
                 raise ValueError(f"prompt {i}: {e}") from None
             encoded.append((prompt, p))
-        return [self.add_request(prompt, p) for prompt, p in encoded]
+        added: list[str] = []
+        for i, (prompt, p) in enumerate(encoded):
+            try:
+                added.append(self.add_request(prompt, p))
+            except ValueError as e:  # the scheduler's limits (pages, n): refuse the whole batch, queue nothing
+                for rid in added:
+                    self.abort(rid)
+                raise ValueError(f"prompt {i}: {e}") from None
+        return added
 
     def stats(self) -> dict[str, Any]:
         stats = dict(self.scheduler.stats())
         after = None if self._compiles_at_warmup is None else self.runner.num_compiles - self._compiles_at_warmup
         stats.update(num_compiles_after_warmup=after, num_compiles=self.runner.num_compiles, num_steps=self.num_steps)
         return stats
+
+
+def _at_least_one(name: str, value: int) -> int:
+    if value < 1:
+        raise ValueError(f"{name} must be at least 1, got {value}.")
+    return value
+
+
+def _pool_size(cache_cfg: CacheConfig, runner: ModelRunner) -> int:
+    """Pages the scheduler may hand out: the configured number, at most the pages the cache holds."""
+    allocated = runner.kv_cache.num_pages
+    if cache_cfg.num_pages is not None and cache_cfg.num_pages > allocated:
+        raise ValueError(f"CacheConfig.num_pages={cache_cfg.num_pages} exceeds the {allocated} pages of the KV cache.")
+    return cache_cfg.num_pages or allocated
 
 
 def normalize_prompts(prompts: Any) -> list[str | list[int]]:

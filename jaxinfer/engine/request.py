@@ -112,6 +112,12 @@ class RequestState:
             return FinishReason.STOP
         return None
 
+    def stop_ids(self) -> list[int]:
+        """Token ids that end a sequence once min_tokens are generated: stop_token_ids, and EOS unless
+        ignore_eos (what `_stop_reason` checks, for the device to stop early in multi-step decode)."""
+        eos = () if self.params.ignore_eos else sorted(self.eos_ids)
+        return list(dict.fromkeys([*self.params.stop_token_ids, *eos]))
+
     def finish(self, index: int, reason: FinishReason) -> None:
         """Close sequence `index`: keep the first reason, flush held-back text unless a stop string cut it."""
         out = self.seqs[index]

@@ -3,6 +3,13 @@
 `ModelRunner` owns the weights and the cache and compiles `forward -> gather last positions -> logits`
 once per bucket. It counts compilations so tests and the engine can prove steady-state runs never
 recompile.
+
+Multi-step decode (`decode_steps`): when every sequence of a step is a decode, up to `max_steps` decode
+iterations run inside one device call (a `lax.scan` whose body is skipped by `lax.cond` once the requested
+number of iterations ran or every row stopped). Each iteration samples, feeds the token back, advances
+positions / write slots / kv_lens and stops rows on device at their token budget (max_tokens,
+max_model_len) or at an EOS / stop id once min_tokens are out. The host guarantees the pages: it asks for
+no more iterations than every row's last page has room for, so the loop never needs a new page.
 """
 
 from __future__ import annotations
@@ -61,6 +68,29 @@ class StepOutput(NamedTuple):
     prompt: PromptLogprobs  # [T] prompt logprobs (garbage unless requested)
 
 
+@struct.dataclass
+class DecodeInputs:
+    """What the multi-step loop needs beyond the first iteration's batch (whose T equals S: one token a row)."""
+
+    budget: jax.Array  # [S] int32 tokens each row may still generate (max_tokens, max_model_len); 0: padding
+    stop_ids: jax.Array  # [S, E] int32 ids that end a row once min_tokens are out, padded with -1
+    num_steps: jax.Array  # [] int32 iterations to run, <= max_steps (bounded by the rows' page room)
+
+
+class MultiStepOutput(NamedTuple):
+    sampled: SamplerOutput  # [N, S] per iteration
+    valid: jax.Array  # [N, S] bool: the row sampled a real token in this iteration
+
+
+class _DecodeCarry(NamedTuple):
+    kv_cache: KVCache
+    rows: PenaltyState  # [S, ...] this call's penalty rows
+    sampling: SamplingArrays  # [S, ...] `step` advanced every iteration
+    tokens: jax.Array  # [S] int32 input token of the next iteration
+    positions: jax.Array  # [S] int32 its position
+    active: jax.Array  # [S] bool rows still generating
+
+
 def make_attention_fn(cfg: ModelConfig, impl: str, interpret: bool, **extra: Any) -> Any:
     """Bind the kernel choice and static attention settings; the model calls it per layer."""
     impl = resolve_impl(impl)  # resolve now: the platform is fixed for the runner's lifetime
@@ -100,6 +130,11 @@ class ModelRunner:
         self._sample_step = jax.jit(
             functools.partial(self._sample_step_impl, attn_fn=attn_fn), donate_argnums=(1, 2)
         )
+        self._decode_steps = jax.jit(
+            functools.partial(self._decode_steps_impl, attn_fn=attn_fn),
+            donate_argnums=(1, 2),
+            static_argnames=("max_steps",),
+        )
 
     def _logits_step_impl(self, weights: Any, kv_cache: KVCache, batch: StepBatch, *, attn_fn: Any) -> Any:
         self.num_compiles += 1  # runs only while tracing, i.e. once per new bucket shape
@@ -128,6 +163,59 @@ class ModelRunner:
         )
         return kv_cache, penalties, StepOutput(out, prompt)
 
+    def _decode_steps_impl(
+        self, weights: Any, kv_cache: KVCache, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs,
+        decode: DecodeInputs, *, attn_fn: Any, max_steps: int,
+    ) -> tuple[KVCache, PenaltyState, MultiStepOutput]:
+        self.num_compiles += 1
+        kv_cache = copy_pages(kv_cache, inputs.copy_src, inputs.copy_dst)
+        num_rows = batch.logits_indices.shape[0]
+        real = jnp.arange(num_rows) < batch.md.num_seqs[0]  # [S]
+        carry = _DecodeCarry(
+            kv_cache, jax.tree.map(lambda a: a[inputs.slots], penalties), inputs.sampling,
+            batch.token_ids, batch.md.positions, real & (decode.budget > 0),
+        )
+
+        def body(carry: _DecodeCarry, i: jax.Array) -> tuple[_DecodeCarry, tuple[SamplerOutput, jax.Array]]:
+            run = (i < decode.num_steps) & jnp.any(carry.active)
+            return jax.lax.cond(
+                run,
+                lambda c: self._decode_iteration(weights, c, i, batch.md, decode, attn_fn),
+                lambda c: (c, (_empty_sampler_output(num_rows, self.cfg.vocab_size), jnp.zeros(num_rows, bool))),
+                carry,
+            )
+
+        carry, (sampled, valid) = jax.lax.scan(body, carry, jnp.arange(max_steps))  # outputs [N, S, ...]
+        penalties = set_rows(penalties, inputs.slots, carry.rows)
+        return carry.kv_cache, penalties, MultiStepOutput(sampled, valid)
+
+    def _decode_iteration(
+        self, weights: Any, c: _DecodeCarry, i: jax.Array, md0: AttentionMetadata, decode: DecodeInputs,
+        attn_fn: Any,
+    ) -> tuple[_DecodeCarry, tuple[SamplerOutput, jax.Array]]:
+        md = decode_metadata(c.positions, c.active, md0.page_indices, md0.num_seqs, c.kv_cache.page_size)
+        hidden, kv_cache = self.family.forward(weights, self.cfg, c.tokens, md, c.kv_cache, attn_fn)  # [S, D]
+        out = sample(self.family.compute_logits(weights, self.cfg, hidden), c.sampling, c.rows)
+        rows = update_output_counts(c.rows, out.tokens, c.active)
+        # `step` counts tokens generated before this one, so this token is number step + 1.
+        hit_stop = jnp.any(out.tokens[:, None] == decode.stop_ids, axis=-1)  # [S]
+        may_stop = c.sampling.step + 1 >= c.sampling.min_tokens  # [S]
+        stop = (hit_stop & may_stop) | (i + 1 >= decode.budget)  # [S]
+        nxt = _DecodeCarry(
+            kv_cache, rows, c.sampling.advance(),
+            jnp.where(c.active, out.tokens, c.tokens), c.positions + c.active.astype(jnp.int32), c.active & ~stop,
+        )
+        return nxt, (out, c.active)
+
+    def decode_steps(
+        self, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs, decode: DecodeInputs, max_steps: int
+    ) -> tuple[PenaltyState, MultiStepOutput]:
+        """Up to `max_steps` decode iterations in one call; `batch` holds one token per row (T == S)."""
+        self.kv_cache, penalties, out = self._decode_steps(
+            self.weights, self.kv_cache, penalties, batch, inputs, decode, max_steps=max_steps
+        )
+        return penalties, out
+
     def step(self, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs) -> tuple[PenaltyState, StepOutput]:
         """Forward + sampling; the cache and the penalty state are updated in place (donated)."""
         self.kv_cache, penalties, out = self._sample_step(self.weights, self.kv_cache, penalties, batch, inputs)
@@ -148,6 +236,39 @@ def copy_pages(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     return KVCache(
         k=tuple(k.at[dst].set(k[src]) for k in kv_cache.k),
         v=tuple(v.at[dst].set(v[src]) for v in kv_cache.v),
+    )
+
+
+def decode_metadata(
+    positions: jax.Array, active: jax.Array, page_indices: jax.Array, num_seqs: jax.Array, page_size: int
+) -> AttentionMetadata:
+    """Attention metadata of a decode-only step with one token per row (T == S), built on device.
+
+    Stopped rows still attend (their outputs are dropped) but write into the trash page, so a row that
+    stopped never touches KV the host did not account for; padding rows have kv_len 0.
+    """
+    num_rows = positions.shape[0]
+    rows = jnp.arange(num_rows)  # [S]
+    col = jnp.minimum(positions // page_size, page_indices.shape[1] - 1)  # [S]
+    page = jnp.take_along_axis(page_indices, col[:, None], axis=1)[:, 0]  # [S]
+    slots = jnp.where(active, page * page_size + positions % page_size, rows % page_size)  # [S]
+    real = rows < num_seqs[0]  # [S]
+    cu_q_lens = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(real, dtype=jnp.int32)])  # [S+1]
+    kv_lens = jnp.where(real, positions + 1, 0).astype(jnp.int32)  # [S]
+    return AttentionMetadata(
+        positions=positions, slot_mapping=slots.astype(jnp.int32), cu_q_lens=cu_q_lens, kv_lens=kv_lens,
+        page_indices=page_indices, num_seqs=num_seqs,
+    )
+
+
+def _empty_sampler_output(num_rows: int, vocab_size: int) -> SamplerOutput:
+    k = min(MAX_LOGPROBS, vocab_size)  # the width `sample` returns
+    return SamplerOutput(
+        tokens=jnp.zeros(num_rows, jnp.int32),
+        logprobs=jnp.zeros(num_rows, jnp.float32),
+        top_ids=jnp.zeros((num_rows, k), jnp.int32),
+        top_logprobs=jnp.zeros((num_rows, k), jnp.float32),
+        ranks=jnp.zeros(num_rows, jnp.int32),
     )
 
 

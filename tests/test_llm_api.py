@@ -1,0 +1,62 @@
+"""The `LLM` surface over a tiny random model built from a ModelConfig: generate, stream, stats, options."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxinfer import LLM, FinishReason, SamplingParams
+from jaxinfer.config import ConfigError
+from jaxinfer.presets import load_preset
+
+CFG = load_preset("smollm2-135m").replace(
+    vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
+    tie_word_embeddings=False,
+)
+KW = dict(random_weights=True, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=16, page_size=16,
+          num_pages=24, attention_impl="reference", use_tqdm=False)
+PROMPTS = [[5, 9, 200, 17], [1], list(range(30, 70)), [250, 3, 3, 3, 8, 100, 7]]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(CFG, decode_steps_per_call=4, **KW)
+
+
+def test_generate_returns_in_input_order_with_multi_step_equal_to_single_step(llm: LLM) -> None:
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.prompt_token_ids for o in outs] == PROMPTS
+    assert all(len(o.token_ids) == 12 and o.finish_reason is FinishReason.LENGTH for o in outs)
+    single = LLM(CFG, decode_steps_per_call=1, warmup=False, **KW)
+    single.engine.runner = llm.engine.runner  # same weights and compiled step; only the engine loop differs
+    assert [o.token_ids for o in single.generate(PROMPTS, GREEDY)] == [o.token_ids for o in outs]
+    assert llm.engine.num_steps < single.engine.num_steps
+
+
+def test_engine_stats_after_a_mixed_run(llm: LLM) -> None:
+    llm.generate(PROMPTS, [GREEDY, SamplingParams(n=2, seed=1, max_tokens=5), GREEDY,
+                           SamplingParams(temperature=0.5, logprobs=2, prompt_logprobs=1)])
+    stats = llm.engine_stats()
+    for key in ("num_compiles_after_warmup", "num_preemptions", "prefix_cache_hit_rate", "free_pages",
+                "total_pages", "num_running", "num_waiting"):
+        assert key in stats
+    assert stats["num_compiles_after_warmup"] == 0
+    assert stats["free_pages"] == stats["total_pages"] == 23
+    assert stats["num_running"] == stats["num_waiting"] == 0
+
+
+def test_stream_yields_deltas_that_add_up(llm: LLM) -> None:
+    tokens: dict[str, list[int]] = {}
+    finals = {}
+    for out in llm.stream(PROMPTS[:2], GREEDY):
+        tokens.setdefault(out.request_id, []).extend(out.outputs[0].delta_token_ids)
+        if out.finished:
+            finals[out.request_id] = out.token_ids
+    assert finals and all(tokens[rid] == ids for rid, ids in finals.items())
+
+
+def test_options_are_checked() -> None:
+    with pytest.raises(ConfigError, match="random_weights"):
+        LLM(CFG, **{**KW, "random_weights": False})
+    with pytest.raises(ValueError, match="decode_steps_per_call"):
+        LLM(CFG, decode_steps_per_call=0, warmup=False, **KW)
