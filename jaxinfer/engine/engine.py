@@ -153,7 +153,8 @@ class Engine:
         self._validate(ids, params)
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         group = SequenceGroup.create(rid, ids, n=params.n, priority=priority, max_tokens=params.max_tokens)
-        self.scheduler.add(group)  # raises RequestRejected (a ValueError) before any state changes
+        # Prompt logprobs need every prompt position computed, so such requests skip prefix-cache lookups.
+        self.scheduler.add(group, use_prefix_cache=params.prompt_logprobs is None)  # may raise RequestRejected
         self.requests[rid] = self._new_state(rid, text, ids, params)
         return rid
 

@@ -174,14 +174,21 @@ class Scheduler:
         self._num_waiting = 0
         self._reserved_slots = 0  # slots held for the not yet forked children of running n > 1 parents
         self._num_preemptions = 0
+        self._no_prefix_lookup: set[str] = set()  # requests that must compute every prompt position
 
     # ----------------------------------------------------------------------------------------- public API
 
-    def add(self, group: SequenceGroup) -> None:
-        """Queue a request; raises ``RequestRejected`` if it could never be scheduled."""
+    def add(self, group: SequenceGroup, *, use_prefix_cache: bool = True) -> None:
+        """Queue a request; raises ``RequestRejected`` if it could never be scheduled.
+
+        ``use_prefix_cache=False`` makes the request compute its whole prompt (its pages are still cached for
+        others): needed when the caller wants something of every prompt position, e.g. prompt logprobs.
+        """
         if group.request_id in self._groups:
             raise RequestRejected(f"request_id {group.request_id!r} is already in use by an unfinished request.")
         self._validate(group)
+        if not use_prefix_cache:
+            self._no_prefix_lookup.add(group.request_id)
         self._groups[group.request_id] = group
         self._push_waiting(group.parent)
 
@@ -367,7 +374,7 @@ class Scheduler:
         return True
 
     def _take_prefix_hits(self, seq: Sequence) -> list[int]:
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or seq.request_id in self._no_prefix_lookup:
             return []
         pages = self.prefix_cache.lookup(seq)
         self.allocator.incref(pages)  # before any allocation, so they cannot be evicted under us
@@ -431,6 +438,7 @@ class Scheduler:
         seq.status, seq.finish_reason = reason.status, reason
         if group.is_finished:
             del self._groups[seq.request_id]
+            self._no_prefix_lookup.discard(seq.request_id)
 
     def _is_unforked_child(self, seq: Sequence) -> bool:
         return seq.index > 0 and not self._groups[seq.request_id].forked
