@@ -12,6 +12,11 @@ from pathlib import Path
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Many tests build engines whose compiled programs are identical (same shapes, new jit closures); a
+# persistent cache shared by the xdist workers, and by the subprocesses and notebook kernels that inherit
+# this environment, turns those repeats into cache hits.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", str(Path(__file__).resolve().parents[1] / ".pytest_cache" / "jax"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1.0")
 
 import pytest  # noqa: E402
 
