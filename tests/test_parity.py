@@ -67,3 +67,12 @@ def test_tensor_parallel_3_equals_hf(smollm2_golden: dict) -> None:
     cases = smollm2_golden["greedy"][:3]
     outs = llm3.generate([c["prompt_ids"] for c in cases], [greedy_params(c["max_new_tokens"]) for c in cases])
     assert [o.token_ids for o in outs] == [c["output_ids"] for c in cases]
+
+
+def test_pallas_tpu_kernel_in_interpret_mode_gives_hf_greedy_tokens(smollm2_golden: dict) -> None:
+    """The TPU ragged paged attention kernel, run by Pallas' interpreter on CPU, inside the real model."""
+    llm_tpu = LLM("smollm2-135m-instruct", **{**ENGINE_KW, "attention_impl": "pallas_tpu", "interpret": True,
+                                              "max_num_batched_tokens": 32, "max_num_seqs": 4})
+    cases = smollm2_golden["greedy"][1:3]
+    outs = llm_tpu.generate([c["prompt_ids"] for c in cases], [greedy_params(12) for _ in cases])
+    assert [o.token_ids for o in outs] == [c["output_ids"][:12] for c in cases]
