@@ -14,7 +14,7 @@ from jaxinfer.kv_cache import allocate_kv_cache, bytes_per_page
 from jaxinfer.models import family_for_config
 from jaxinfer.params import init_params
 from jaxinfer.presets import BUNDLED, bundled_checkpoint, is_alias, load_preset
-from jaxinfer.sharding import make_mesh, tensor_parallel_rules
+from jaxinfer.sharding import Logical, make_mesh, tensor_parallel_rules
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
 
 JNP_DTYPES = {DType.FLOAT32: jnp.float32, DType.BFLOAT16: jnp.bfloat16, DType.FLOAT16: jnp.float16}
@@ -106,6 +106,8 @@ class LLM:
         if cache.num_pages is not None:
             return cache.num_pages
         per_page = bytes_per_page(self.model_config, cache.page_size, self.dtype)
+        if self.rules.mapping.get(Logical.KV_HEADS) == "tensor":  # each device holds 1/tp of every page
+            per_page //= self.engine_config.tensor_parallel_size
         free = free_device_memory(self.mesh)
         return max(2, int(free * cache.memory_fraction) // per_page)
 
@@ -144,6 +146,23 @@ class LLM:
     def stream(self, prompts: Any, sampling_params: Any = None) -> Any:
         """Iterate over incremental outputs (`outputs[i].delta_text`) as the engine produces them."""
         return self.engine.stream(prompts, sampling_params)
+
+    # The add-request/step interface, for servers that run their own loop.
+    def add_request(self, prompt: Any, sampling_params: Any = None, *, request_id: str | None = None,
+                    priority: int = 0) -> str:
+        """Queue one request (validated now: a bad one raises ValueError and nothing else changes)."""
+        return self.engine.add_request(prompt, sampling_params, request_id=request_id, priority=priority)
+
+    def step(self) -> list[Any]:
+        """One engine iteration; the outputs of every request that advanced (deltas in `delta_text`)."""
+        return self.engine.step()
+
+    def abort(self, request_id: str) -> Any:
+        """Stop a request now and free its pages; returns its partial output (None if unknown)."""
+        return self.engine.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.engine.has_unfinished()
 
     def engine_stats(self) -> dict[str, Any]:
         return self.engine.stats()

@@ -60,3 +60,32 @@ def test_options_are_checked() -> None:
         LLM(CFG, **{**KW, "random_weights": False})
     with pytest.raises(ValueError, match="decode_steps_per_call"):
         LLM(CFG, decode_steps_per_call=0, warmup=False, **KW)
+
+
+def test_add_request_step_interface_for_servers(llm: LLM) -> None:
+    """A server's loop: add, step until done, abort one mid-way; a bad request is refused on its own."""
+    keep = llm.add_request(PROMPTS[0], GREEDY, request_id="keep")
+    drop = llm.add_request(PROMPTS[2], GREEDY, request_id="drop")
+    with pytest.raises(ValueError, match="temperature"):
+        llm.add_request(PROMPTS[1], _bad_temperature())
+    texts: dict[str, list[int]] = {keep: [], drop: []}
+    finished = set()
+    aborted = None
+    while llm.has_unfinished():
+        for out in llm.step():
+            texts[out.request_id].extend(out.outputs[0].delta_token_ids)
+            if out.finished:
+                finished.add(out.request_id)
+        if aborted is None and len(texts[drop]) >= 2:
+            aborted = llm.abort(drop)
+    assert finished == {keep} and aborted.finished and aborted.outputs[0].finish_reason is FinishReason.ABORT
+    assert texts[keep] == llm.generate([PROMPTS[0]], GREEDY)[0].token_ids
+    stats = llm.engine_stats()
+    assert stats["free_pages"] == stats["total_pages"] and stats["num_running"] == stats["num_waiting"] == 0
+
+
+def _bad_temperature() -> SamplingParams:
+    # SamplingParams refuses a negative temperature itself; bypass it to check the engine's own admission check.
+    params = SamplingParams(temperature=0.5)
+    object.__setattr__(params, "temperature", -1.0)
+    return params
