@@ -32,6 +32,8 @@ from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
 from pallas_kernels.ragged_paged_attention import reference as rpa_ref
 
 LLAMA_HEADS = dict(num_heads=32, kv_heads=8, head_dim=128)
+# Tuning variants of our attention kernel timed beside the default (same run, same inputs).
+ATTENTION_VARIANTS = {"stages=2": dict(stages=2), "stages=3": dict(stages=3)}
 LLAMA_MATMULS = {"qkv 4096x6144": (4096, 6144), "up 4096x14336": (4096, 14336),
                  "down 14336x4096": (14336, 4096)}
 
@@ -177,6 +179,11 @@ def bench_attention(res: Results, section, num_seqs, ctx, page_size, q_tokens_pe
     ours = jax.jit(lambda *a: rpa_gpu.ragged_paged_attention(*a, sm_scale=scale))
     res.run(section, "ours", lambda: res.add(section, f"ours R={page_size}", time_fn(ours, sets),
                                              **measure))
+    for label, knobs in ATTENTION_VARIANTS.items():
+        fn = jax.jit(lambda *a, knobs=knobs: rpa_gpu.ragged_paged_attention(
+            *a, sm_scale=scale, **knobs))
+        res.run(section, label, lambda fn=fn, label=label: res.add(
+            section, f"ours R={page_size} {label}", time_fn(fn, sets), **measure))
     ref = jax.jit(lambda *a: rpa_ref.ragged_paged_attention(*a, sm_scale=scale))
     res.run(section, "reference", lambda: res.add(section, f"XLA reference R={page_size}",
                                                   time_fn(ref, sets, repeats=3, batch=2), **measure))

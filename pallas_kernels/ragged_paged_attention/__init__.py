@@ -16,18 +16,18 @@ Impl = Literal["auto", "reference", "pallas_tpu", "pallas_gpu"]
 _IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 
 
-def resolve_impl(impl: Impl, *, gpu_verified: bool = True) -> str:
+def resolve_impl(impl: Impl, *, gpu_supported: bool = True) -> str:
     """The concrete implementation for `impl` on the default backend.
 
-    gpu_verified: whether the call's configuration is one the GPU kernel has passed its tests on
-    (see gpu.verified_config); "auto" falls back to the reference on GPU otherwise.
+    gpu_supported: whether the GPU kernel takes the call's configuration (gpu.supported_config:
+    no int8/fp8 KV yet); "auto" falls back to the reference on GPU otherwise.
     """
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
     chosen = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "reference")
-    return "reference" if chosen == "pallas_gpu" and not gpu_verified else chosen
+    return "reference" if chosen == "pallas_gpu" and not gpu_supported else chosen
 
 
 def ragged_paged_attention(
@@ -52,7 +52,7 @@ def ragged_paged_attention(
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                   k_scale=k_scale, v_scale=v_scale)
     from pallas_kernels.ragged_paged_attention import gpu
-    chosen = resolve_impl(impl, gpu_verified=gpu.verified_config(q, k_pages, soft_cap))
+    chosen = resolve_impl(impl, gpu_supported=gpu.supported_config(q, k_pages))
     if chosen == "reference":
         return reference.ragged_paged_attention(*args, **kwargs)
     if chosen == "pallas_tpu":

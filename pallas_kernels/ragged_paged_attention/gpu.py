@@ -4,23 +4,30 @@ Work decomposition (docs/KERNELS.md has the reasoning and the measured numbers):
 
 * A *work tile* is 64 query rows of one sequence and one kv head: `Bt = 64 // G` consecutive new
   tokens of the sequence times the G query heads that share the kv head. Row r of the tile is
-  (head g = r // Bt, token t = r % Bt), so each head's rows are one strided TMA copy of q and the
-  tile is exactly one wgmma M=64 block. Decode tokens fill G rows of a tile; the rest are masked.
+  (head g = r // Bt, token t = r % Bt), and the tile is exactly one wgmma M=64 block. Decode tokens
+  fill G rows of a tile; the rest are masked.
 * The wrapper lists the tiles of all sequences (ragged, computed on device from cu_q_lens) into a
-  static-size table; grid = (tiles, kv heads, kv splits). Each CTA owns its output tile exclusively
-  (tile-major output `[splits, K, W, 64, H]`), so nothing is written twice; the wrapper gathers the
-  rows back to `[T, N, H]` and, with splits > 1, merges the splits by their log-sum-exp
-  (flash-decoding). Splits are used only when the tiles alone cannot fill the GPU (few sequences,
-  long contexts).
+  static-size table and gathers q into that tile-major order (`[W, K, 64, H]`), so each CTA loads
+  its q tile with one TMA copy at a row offset that is a multiple of 64. Why not copy straight out
+  of `[T, N, H]`: Mosaic GPU tiles the GMEM rows of a swizzled copy by 8, and a copy starting at a
+  token that is not a multiple of 8 splits into (tile, row-in-tile) coordinates whose row-in-tile
+  box runs out of bounds, so the TMA zero-fills those rows instead of reading the next tile (this
+  was the G = 1 / G = 8 / soft-cap bug).
+* grid = (tiles, kv splits, kv heads). Each CTA owns its output tile exclusively (tile-major
+  output `[splits, K, W, 64, H]`), so nothing is written twice; the wrapper gathers the rows back
+  to `[T, N, H]` and, with splits > 1, merges the splits by their log-sum-exp (flash-decoding).
+  Splits are used only when the tiles alone cannot fill the GPU (few sequences, long contexts).
 * KV is streamed in blocks of `Bk = max(64, R)` positions, one TMA copy per page
-  (`k_pages[page, :, kv_head, :]`, a strided `[R, H]` box), `_STAGES`-deep in shared memory, so the
-  copies of the next blocks are in flight while the tensor cores work on this one.
+  (`k_pages[page, :, kv_head, :]`, a strided `[R, H]` box), 2-3 stages deep in shared memory
+  (`default_stages`), so the copies of the next blocks are in flight while the tensor cores work
+  on this one. The page ids of a block are loaded from the page table one step before its copies
+  are issued and carried through the loop, so the global-memory latency of that load is not on
+  every step's critical path.
 * One warpgroup per CTA: QK^T and PV are wgmma, the online softmax runs in registers in the WGMMA
   layout, exponentials in base 2 with log2(e) folded into the scale.
 
 Not supported here yet: int8/fp8 KV (use impl="reference"/"pallas_tpu"); that needs an in-SMEM
-dequantize stage before the wgmma. Known bug: G = 1, G = 8 (with H = 256) and soft-capped cases
-disagree with the reference on the GPU; `verified_config` keeps impl="auto" off them.
+dequantize stage before the wgmma. `supported_config` tells impl="auto" which calls it can take.
 
 GPU-only modules are imported inside the functions so this file imports on CPU.
 """
@@ -34,7 +41,7 @@ import jax
 import jax.numpy as jnp
 
 _ROWS = 64  # wgmma M: query rows per tile
-_STAGES = 3  # kv blocks in flight per CTA (2 for H > 128, to fit shared memory)
+_STAGES = 3  # kv pipeline depth for decode-like batches (default_stages)
 _NUM_SMS = 132  # H100 / H200 SXM
 _LOG2E = math.log2(math.e)
 _MASK_VALUE = -1e30
@@ -80,8 +87,31 @@ def _tile_geometry(seq_ref, tok0_ref, kv_lens_ref, cu_ref, w, tokens_per_tile, b
     return seq, tok0, q_end, offset, kb_lo, jnp.maximum(kb_hi, kb_lo)
 
 
+def _block_pages(page_table_ref, seq, kv_block, pages_per_block, max_pages):
+    """Page ids of one kv block of one sequence (columns past the table clamp to its last entry)."""
+    pages = []
+    for p in range(pages_per_block):
+        col = jnp.minimum(kv_block * pages_per_block + p, max_pages - 1)
+        pages.append(page_table_ref[seq * max_pages + col])
+    return tuple(pages)
+
+
+def _issue_kv_block(k_ref, v_ref, k_smem, v_smem, k_barriers, v_barriers, slot, head, pages):
+    """One TMA copy per page of a kv block into stage `slot` (K and V on their own barriers)."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    page_size = k_ref.shape[1]
+    for p, page in enumerate(pages):
+        rows = pl.ds(p * page_size, page_size)
+        plgpu.copy_gmem_to_smem(k_ref.at[page, :, head], k_smem.at[slot, rows],  # [R, H]
+                                k_barriers.at[slot])
+        plgpu.copy_gmem_to_smem(v_ref.at[page, :, head], v_smem.at[slot, rows],  # [R, H]
+                                v_barriers.at[slot])
+
+
 def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  # int32 metadata
-                      q_ref,  # [T + Bt, N, H] gmem
+                      q_ref,  # [W, K, 64, H] gmem, tile-major (see the module docstring)
                       k_ref, v_ref,  # [P, R, K, H] gmem
                       o_ref,  # [splits, K, W, 64, H] gmem
                       lse_ref,  # [splits, K, W, 64] f32 gmem
@@ -95,34 +125,21 @@ def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  #
 
     tokens_per_tile = _ROWS // group
     stages, block_kv, head_dim = k_smem.shape
-    page_size = k_ref.shape[1]
-    pages_per_block = block_kv // page_size
+    pages_per_block = block_kv // k_ref.shape[1]
     w, head, split = (jax.lax.axis_index(a) for a in ("tile", "head", "split"))
     seq, tok0, q_end, offset, kb_lo, kb_hi = _tile_geometry(
         seq_ref, tok0_ref, kv_lens_ref, cu_ref, w, tokens_per_tile, block_kv, sliding_window)
     kb_lo, kb_hi = _split_range(kb_lo, kb_hi, split, num_splits)
     steps = kb_hi - kb_lo
-    safe_tok0 = jnp.maximum(tok0, 0)
 
-    for g in range(group):
-        plgpu.copy_gmem_to_smem(
-            q_ref.at[pl.ds(safe_tok0, tokens_per_tile), head * group + g],  # [Bt, H]
-            q_smem.at[pl.ds(g * tokens_per_tile, tokens_per_tile)], q_barrier)
-
-    def issue(step):
-        slot = jax.lax.rem(step, stages)
-        kv_block = kb_lo + step
-        for p in range(pages_per_block):
-            col = jnp.minimum(kv_block * pages_per_block + p, max_pages - 1)
-            page = page_table_ref[seq * max_pages + col]
-            rows = pl.ds(p * page_size, page_size)
-            plgpu.copy_gmem_to_smem(k_ref.at[page, :, head], k_smem.at[slot, rows],
-                                    k_barriers.at[slot])
-            plgpu.copy_gmem_to_smem(v_ref.at[page, :, head], v_smem.at[slot, rows],
-                                    v_barriers.at[slot])
-
+    plgpu.copy_gmem_to_smem(q_ref.at[w, head], q_smem, q_barrier)  # [64, H]
+    pages_of = lambda step: _block_pages(page_table_ref, seq, kb_lo + step, pages_per_block,
+                                         max_pages)
+    issue = lambda step, pages: _issue_kv_block(
+        k_ref, v_ref, k_smem, v_smem, k_barriers, v_barriers, jax.lax.rem(step, stages), head,
+        pages)
     for s in range(stages - 1):
-        pl.when(s < steps)(functools.partial(issue, s))
+        pl.when(s < steps)(functools.partial(issue, s, pages_of(s)))
     plgpu.barrier_wait(q_barrier)
 
     row = plgpu.broadcasted_iota(jnp.int32, (_ROWS, block_kv), 0, layout=plgpu.Layout.WGMMA)
@@ -132,9 +149,12 @@ def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  #
     pos = token + offset
 
     def kv_step(step, carry):
-        acc, m_i, l_i = carry
+        acc, m_i, l_i, next_pages = carry
         slot = jax.lax.rem(step, stages)
-        pl.when(step + stages - 1 < steps)(functools.partial(issue, step + stages - 1))
+        ahead = step + stages - 1
+        pl.when(ahead < steps)(functools.partial(issue, ahead, next_pages))
+        # Loaded now, used by the next step's issue: the load's latency hides behind this step.
+        next_pages = pages_of(ahead + 1)
         plgpu.barrier_wait(k_barriers.at[slot])
 
         def qk_scope(acc_ref):
@@ -161,13 +181,14 @@ def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  #
             plgpu.wgmma(acc_ref, p.astype(v_smem.dtype), v_smem.at[slot])
 
         acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
-        return acc, m_new, l_i
+        return acc, m_new, l_i, next_pages
 
     acc = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
     m_i = plgpu.layout_cast(jnp.full((_ROWS,), _MASK_VALUE, jnp.float32),
                             plgpu.Layout.WGMMA.reduce(1))
     l_i = plgpu.layout_cast(jnp.zeros((_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-    acc, m_i, l_i = jax.lax.fori_loop(0, steps, kv_step, (acc, m_i, l_i))
+    carry = (acc, m_i, l_i, pages_of(stages - 1))
+    acc, m_i, l_i, _ = jax.lax.fori_loop(0, steps, kv_step, carry)
 
     l_safe = jnp.maximum(l_i, 1e-30)
     q_smem[...] = (acc / jax.lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(q_smem.dtype)
@@ -184,6 +205,30 @@ def _smem_transforms(dtype, minor: int):
     bits = jnp.dtype(dtype).itemsize * 8
     swizzle = plgpu.find_swizzle(minor * bits)
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+
+
+def _grid(num_tiles: int, kv_heads: int, num_splits: int) -> dict:
+    """Launch grid; the kernel reads its coordinates by name, so the order is free to choose.
+
+    Mosaic GPU maps the last grid axis to blockIdx.x, the fastest-varying in launch order: the K
+    CTAs of one tile run together and read the interleaved `[.., K, H]` rows of the same pages at
+    the same time. (Making tiles the fastest axis instead measured the same on the H200.)
+    """
+    axes = (("tile", num_tiles), ("split", num_splits), ("head", kv_heads))
+    return dict(grid=tuple(n for _, n in axes), grid_names=tuple(a for a, _ in axes))
+
+
+def default_stages(head_dim: int, num_tokens: int, num_slots: int) -> int:
+    """KV pipeline depth. Shared memory per CTA is q [64, H] + stages x (K + V) [Bk, H] blocks:
+    H > 128 fits only 2 stages. At H <= 128, 3 stages (~113 KB) leave room for one CTA per SM and
+    2 stages (80 KB) for two; batches that are mostly prefill (many 64-row tiles of short kv walks,
+    compute-bound) gain more from a second resident CTA overlapping its math with the first's waits
+    (H200: 4k prefill 514 us at 2 stages vs 694 us at 3), decode from the deeper pipeline (64 x 4k,
+    R=16: 448 us at 3 vs 488 us at 2; docs/KERNELS.md)."""
+    if head_dim > 128:
+        return 2
+    mostly_prefill = num_tokens >= 4 * num_slots
+    return 2 if mostly_prefill else _STAGES
 
 
 def default_num_splits(num_tiles: int, kv_heads: int, max_kv_blocks: int) -> int:
@@ -204,6 +249,18 @@ def _combine_splits(o_parts, lse_parts):
     return jnp.einsum("skwr,skwrh->kwrh", weights, o_parts.astype(jnp.float32))
 
 
+def tile_queries(q, tile_tok0, group: int, kv_heads: int):
+    """q [T, N, H] -> tile-major [W, K, 64, H]: row g * Bt + t of tile w, kv head k holds token
+    tile_tok0[w] + t of q head k * G + g. Rows past T (and padding tiles) repeat a real token; the
+    kernel masks them."""
+    num_tokens, _, head_dim = q.shape
+    tokens_per_tile = _ROWS // group
+    tok = jnp.clip(tile_tok0[:, None] + jnp.arange(tokens_per_tile, dtype=jnp.int32), 0,
+                   num_tokens - 1)  # [W, Bt]
+    tiles = q[tok].reshape(-1, tokens_per_tile, kv_heads, group, head_dim)  # [W, Bt, K, G, H]
+    return tiles.transpose(0, 2, 3, 1, 4).reshape(-1, kv_heads, _ROWS, head_dim)  # [W, K, 64, H]
+
+
 def _gather_rows(o_tiles, cu_q_lens, num_seqs, tile_base, num_tokens, group):
     """Tile-major [K, W, 64, H] back to token-major [T, N, H]; padding tokens get zeros."""
     kv_heads, num_tiles, _, head_dim = o_tiles.shape
@@ -221,7 +278,8 @@ def _gather_rows(o_tiles, cu_q_lens, num_seqs, tile_base, num_tokens, group):
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale", "num_splits", "interpret"))
+    "sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale", "num_splits", "stages",
+    "interpret"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
     k_pages: jax.Array,  # [P, R, K, H]
@@ -237,9 +295,14 @@ def ragged_paged_attention(
     k_scale: float | None = None,
     v_scale: float | None = None,
     num_splits: int | None = None,
+    stages: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
-    """Mosaic GPU ragged paged attention with the reference's semantics; returns [T, N, H]."""
+    """Mosaic GPU ragged paged attention with the reference's semantics; returns [T, N, H].
+
+    num_splits / stages override the flash-decoding split count and the kv pipeline depth
+    (default_stages).
+    """
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     num_tokens, num_heads, head_dim = q.shape
@@ -253,9 +316,7 @@ def ragged_paged_attention(
     max_kv_blocks = -(-max_pages * page_size // block_kv)
     num_splits = num_splits or default_num_splits(max_tiles, kv_heads, max_kv_blocks)
     tile_seq, tile_tok0, tile_base = tile_table(cu_q_lens, num_seqs, tokens_per_tile, max_tiles)
-    # Bt padding tokens so the last tile's q copy stays in bounds, rounded to the TMA's 8-row tiling.
-    padded_tokens = -(-(num_tokens + tokens_per_tile) // 8) * 8
-    q_padded = jnp.pad(q, ((0, padded_tokens - num_tokens), (0, 0), (0, 0)))  # [T', N, H]
+    q_tiles = tile_queries(q, tile_tok0, group, kv_heads)  # [W, K, 64, H]
 
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale * (k_scale or 1.0), sliding_window=sliding_window,
@@ -265,26 +326,26 @@ def ragged_paged_attention(
         jax.ShapeDtypeStruct((num_splits, kv_heads, max_tiles, _ROWS, head_dim), q.dtype),
         jax.ShapeDtypeStruct((num_splits, kv_heads, max_tiles, _ROWS), jnp.float32),
     )
-    stages = _STAGES if head_dim <= 128 else 2
+    stages = stages or default_stages(head_dim, num_tokens, num_slots)
     scratch = [
         plgpu.SMEM((_ROWS, head_dim), q.dtype, transforms=qt),
         plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype, transforms=qt),
         plgpu.SMEM((stages, block_kv, head_dim), v_pages.dtype, transforms=qt),
         plgpu.SMEM((_ROWS,), jnp.float32),
-        plgpu.Barrier(num_arrivals=group),
+        plgpu.Barrier(num_arrivals=1),
         plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=stages),
         plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=stages),
     ]
     o_parts, lse_parts = plgpu.kernel(
         kernel, out_type=out_types, scratch_types=scratch,
-        grid=(max_tiles, kv_heads, num_splits), grid_names=("tile", "head", "split"),
+        **_grid(max_tiles, kv_heads, num_splits),
         # Lane semantics: the kernel places its register arrays in the WGMMA layout itself; the
         # warpgroup layout inference of 0.11.2 rejects TMA copies at data-dependent row offsets.
         compiler_params=plgpu.CompilerParams(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(kv_lens.astype(jnp.int32), page_indices.reshape(-1).astype(jnp.int32),
-      cu_q_lens.astype(jnp.int32), tile_seq, tile_tok0, q_padded, k_pages, v_pages)
+      cu_q_lens.astype(jnp.int32), tile_seq, tile_tok0, q_tiles, k_pages, v_pages)
     o_tiles = _combine_splits(o_parts, lse_parts)  # [K, W, 64, H]
     out = _gather_rows(o_tiles, cu_q_lens, num_seqs, tile_base, num_tokens, group)
     if v_scale is not None:
@@ -292,16 +353,19 @@ def ragged_paged_attention(
     return out.astype(q.dtype)
 
 
-def verified_config(q: jax.Array, k_pages: jax.Array, soft_cap: float | None) -> bool:
-    """Configurations on which this kernel has passed its GPU tests (the H200 run in docs/KERNELS.md).
+def supported_config(q: jax.Array, k_pages: jax.Array) -> bool:
+    """Whether this kernel takes the call (impl="auto" sends the rest to the reference).
 
-    G = 4 query heads per kv head (Llama-3-8B and the tests' GQA-4 cases), bf16/f16 KV, no soft-cap.
-    The G = 1, G = 8 and soft-capped cases still disagree with the reference on the GPU (open bug),
-    so impl="auto" routes them to the reference until they pass.
+    bf16/f16 q with KV of the same dtype (no int8/fp8 KV yet), 64 % G == 0, and a page size that
+    divides 64 or is a multiple of 64. Passed its GPU tests for G = 1, 4, 8, H = 64, 128, 256,
+    sliding window and soft-cap (docs/KERNELS.md).
     """
     group = q.shape[1] // k_pages.shape[2]
-    return group == 4 and soft_cap is None and k_pages.dtype == q.dtype and q.dtype in (
-        jnp.bfloat16, jnp.float16)
+    try:
+        _check_supported(q, k_pages, group, k_pages.shape[1], None, None)
+    except NotImplementedError:
+        return False
+    return True
 
 
 def _check_supported(q, k_pages, group, page_size, k_scale, v_scale) -> None:
@@ -313,3 +377,6 @@ def _check_supported(q, k_pages, group, page_size, k_scale, v_scale) -> None:
             f"KV {k_pages.dtype}; use impl='reference' for quantized KV")
     if page_size % 8 or (page_size < 64 and 64 % page_size) or (page_size > 64 and page_size % 64):
         raise NotImplementedError(f"page size must divide 64 or be a multiple of 64, got {page_size}")
+    if q.shape[-1] % 64 or q.shape[-1] > 256:
+        # 128-byte swizzled tiles of 64 bf16 columns; wgmma N (the PV output width) is at most 256.
+        raise NotImplementedError(f"head dim must be 64, 128, 192 or 256, got {q.shape[-1]}")

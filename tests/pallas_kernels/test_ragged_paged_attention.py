@@ -110,7 +110,7 @@ def test_public_entry_point_runs_tpu_kernel_in_interpret_mode(rng):
 def test_auto_picks_reference_on_cpu_and_rejects_unknown_impls():
     assert resolve_impl("auto") == {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(
         jax.default_backend(), "reference")
-    assert resolve_impl("auto", gpu_verified=False) in ("pallas_tpu", "reference")
+    assert resolve_impl("auto", gpu_supported=False) in ("pallas_tpu", "reference")
     with pytest.raises(ValueError, match="impl must be one of"):
         resolve_impl("triton")
 
@@ -128,18 +128,62 @@ def test_reference_is_memory_bounded_at_serving_size():
     assert temp < per_token_gather // 16
 
 
-_GPU_OPEN_BUG = pytest.mark.xfail(
-    reason="GPU kernel disagrees with the reference for G=1, G=8/H=256 and soft-cap (docs/KERNELS.md)")
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_gpu_tile_queries_puts_every_token_at_its_tile_row(rng, group):
+    """The tile-major q the GPU kernel loads: tile w, kv head k, row g*Bt + t = q[tok0 + t, k*G + g].
+
+    Ragged starts that are not multiples of 8 are the case a direct TMA copy out of [T, N, H] got
+    wrong (zero-filled rows); the gather must place them exactly.
+    """
+    from pallas_kernels.ragged_paged_attention import gpu
+    kv_heads, head_dim, q_lens = 2, 8, [5, 1, 13, 9, 1]
+    num_seqs = len(q_lens)
+    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+    q = jnp.asarray(rng.standard_normal((sum(q_lens), kv_heads * group, head_dim)), jnp.float32)
+    bt = 64 // group
+    max_tiles = q.shape[0] // bt + num_seqs
+    _, tok0, _ = gpu.tile_table(cu, jnp.asarray([num_seqs]), bt, max_tiles)
+    tiles = np.asarray(gpu.tile_queries(q, tok0, group, kv_heads))  # [W, K, 64, H]
+    assert tiles.shape == (max_tiles, kv_heads, 64, head_dim)
+    q_np, tok0 = np.asarray(q), np.asarray(tok0)
+    checked = 0
+    for w in np.flatnonzero(tok0 >= 0):
+        seq = np.searchsorted(np.asarray(cu)[1:], tok0[w], side="right")
+        for t in range(min(bt, int(cu[seq + 1]) - tok0[w])):
+            for k in range(kv_heads):
+                for g in range(group):
+                    np.testing.assert_array_equal(tiles[w, k, g * bt + t],
+                                                  q_np[tok0[w] + t, k * group + g])
+                    checked += 1
+    assert checked == sum(q_lens) * kv_heads * group
+
+
+def test_gpu_supported_config_routes_quantized_kv_to_the_reference():
+    from pallas_kernels.ragged_paged_attention import gpu
+    q = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
+    pages = lambda dtype, r=16: jax.ShapeDtypeStruct((9, r, 2, 128), dtype)
+    assert gpu.supported_config(q, pages(jnp.bfloat16))
+    assert not gpu.supported_config(q, pages(jnp.int8))
+    assert not gpu.supported_config(q, pages(jnp.bfloat16, r=24))
+    assert not gpu.supported_config(jax.ShapeDtypeStruct((4, 8, 96), jnp.bfloat16),
+                                    jax.ShapeDtypeStruct((9, 16, 2, 96), jnp.bfloat16))
+
+
+# Ragged starts off the 8-row grid at every GQA ratio (the bug fixed in gpu.tile_queries).
+GPU_EXTRA_CASES = {
+    "ragged_starts_gqa4_h128": Case(((5, 5), (11, 30), (3, 3), (17, 40), (1, 7)), num_heads=8,
+                                    kv_heads=2, head_dim=128),
+    "ragged_starts_mha_h128_pages16": Case(((3, 20), (21, 21), (1, 33)), num_heads=2,
+                                           kv_heads=2, head_dim=128, page_size=16, max_pages=3),
+}
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", [
-    "decode_gqa4_h128", "chunked_prefill_window", "bf16_padding",
-    pytest.param("prefill_mha_h64", marks=_GPU_OPEN_BUG),
-    pytest.param("mixed_mqa8_h256", marks=_GPU_OPEN_BUG),
-    pytest.param("mixed_softcap_gqa4", marks=_GPU_OPEN_BUG)])
+    "decode_gqa4_h128", "chunked_prefill_window", "bf16_padding", "prefill_mha_h64",
+    "mixed_mqa8_h256", "mixed_softcap_gqa4", "window_softcap_pages16", *GPU_EXTRA_CASES])
 def test_gpu_kernel_matches_reference(rng, name):
-    case = dataclasses.replace(CASES[name], dtype=jnp.bfloat16)
+    case = dataclasses.replace({**CASES, **GPU_EXTRA_CASES}[name], dtype=jnp.bfloat16)
     batch, kwargs = _build(rng, case)
     from pallas_kernels.ragged_paged_attention import gpu
     out = gpu.ragged_paged_attention(*batch.args(), **kwargs)
@@ -159,3 +203,16 @@ def test_gpu_decode_splits_long_context(rng):
     out = gpu.ragged_paged_attention(*batch.args(), **kwargs, num_splits=4)
     want = reference.ragged_paged_attention(*batch.args(), **kwargs)
     assert relative_error(out[:5], want[:5].astype(jnp.float32)) < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_auto_routes_soft_cap_and_mha_to_the_kernel(rng):
+    """impl="auto" on the GPU now takes every bf16 configuration, soft-cap and G = 1 included."""
+    case = dataclasses.replace(CASES["prefill_mha_h64"], dtype=jnp.bfloat16)
+    batch, kwargs = _build(rng, case)
+    kwargs["soft_cap"] = 5.0
+    assert resolve_impl("auto") == "pallas_gpu"
+    out = ragged_paged_attention(*batch.args(), **kwargs, impl="auto")
+    want = reference.ragged_paged_attention(*batch.args(), **kwargs)
+    real = batch.num_real_tokens
+    assert relative_error(out[:real], want[:real].astype(jnp.float32)) < 2e-2
