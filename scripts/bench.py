@@ -104,20 +104,24 @@ def main() -> None:
     parser.add_argument("--model", default="llama-3-8b")
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=32)
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--copy-gib", type=float, default=4.0)
     parser.add_argument("--matmul-n", type=int, default=8192)
     parser.add_argument("--out", default="bench_engine.json")
     args = parser.parse_args()
     result: dict[str, Any] = {"device": jax.devices()[0].device_kind, "model": args.model, "command": " ".join(
-        ["python3 scripts/bench.py", f"--model {args.model}", f"--ctx {args.ctx}", f"--steps {args.steps}", f"--prefill-tokens {args.prefill_tokens}"])}
+        ["python3 scripts/bench.py", f"--model {args.model}", f"--ctx {args.ctx}", f"--steps {args.steps}", f"--prefill-tokens {args.prefill_tokens}",
+         "--batches " + " ".join(map(str, args.batches))])}
+    print("measuring ceilings", flush=True)
     result["copy_bw_gbs"] = copy_bandwidth(args.copy_gib) / 1e9
     result["matmul_tflops"] = matmul_rate(args.matmul_n) / 1e12
-    for batch in (1, 64):
+    for batch in args.batches:
         llm, warm = build(args.model, batch, args.ctx + args.steps + 16, 512)
         result[f"warmup_s_batch{batch}"] = warm
         result[f"decode_batch{batch}"] = decode_mbu(llm, batch, args.ctx, args.steps, result["copy_bw_gbs"] * 1e9)
         result[f"recompiles_after_warmup_batch{batch}"] = llm.engine_stats()["num_compiles_after_warmup"]
+        print(json.dumps({k: v for k, v in result.items() if str(batch) in k}), flush=True)
         del llm
     t = args.prefill_tokens
     llm, _ = build(args.model, 1, t + 16, t, warmup=False)  # only the top bucket is used: compile it alone
