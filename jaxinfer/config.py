@@ -84,7 +84,11 @@ class _FromDict:
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class ModelConfig(_FromDict):
-    """Architecture of one decoder-only transformer (Llama family fields; Gemma adds its own)."""
+    """Architecture of one decoder-only transformer: Llama family fields, then fields only some families use.
+
+    The family-specific fields live here rather than in per-family subclasses so YAML presets can set them
+    and every checkpoint format (GGUF, HF, orbax) round-trips one config type.
+    """
 
     architecture: str = "llama"
     vocab_size: int
@@ -105,6 +109,13 @@ class ModelConfig(_FromDict):
     tie_word_embeddings: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | None = None
+    # Gemma 3 (see jaxinfer.models.gemma3); None = the family does not use it.
+    sliding_window: int | None = None  # local layers see the last W positions, their own included
+    sliding_window_pattern: int | None = None  # every P-th layer (0-based P-1, 2P-1, ...) is global, others local
+    rope_local_theta: float | None = None  # RoPE base of local layers (never rope-scaled)
+    query_pre_attn_scalar: float | None = None  # attention scale is 1/sqrt(this) instead of 1/sqrt(head_dim)
+    attn_logit_softcap: float | None = None  # attention logits become cap * tanh(logits / cap)
+    final_logit_softcap: float | None = None  # output logits become cap * tanh(logits / cap)
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -120,6 +131,15 @@ class ModelConfig(_FromDict):
                 f"ModelConfig.hidden_size ({self.hidden_size}) is not divisible by num_heads "
                 f"({self.num_heads}); set head_dim explicitly."
             )
+        self._check_optional_positive()
+
+    def _check_optional_positive(self) -> None:
+        """Family-specific fields are optional, but a set one must be usable (a zero window masks everything)."""
+        for name in ("sliding_window", "sliding_window_pattern", "rope_local_theta", "query_pre_attn_scalar",
+                     "attn_logit_softcap", "final_logit_softcap"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ConfigError(f"ModelConfig.{name} must be > 0 when set, got {value}.")
 
     @property
     def head_size(self) -> int:

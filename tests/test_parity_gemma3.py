@@ -47,7 +47,8 @@ def test_config_matches_hf(llm: LLM, gemma3_golden: dict) -> None:
     ex = gemma3_extras(cfg)
     assert (cfg.num_layers, cfg.hidden_size, cfg.head_size, cfg.vocab_size) == (
         hf["num_hidden_layers"], hf["hidden_size"], hf["head_dim"], hf["vocab_size"])
-    assert (ex.sliding_window, ex.query_pre_attn_scalar) == (hf["sliding_window"], hf["query_pre_attn_scalar"])
+    assert (cfg.sliding_window, cfg.query_pre_attn_scalar) == (hf["sliding_window"], hf["query_pre_attn_scalar"])
+    assert cfg.rope_local_theta == hf["rope_parameters"]["sliding_attention"]["rope_theta"]
     assert [("full_attention" if ex.is_global(i) else "sliding_attention") for i in range(cfg.num_layers)] == (
         hf["layer_types"])
 

@@ -45,6 +45,9 @@ class TensorRule:
     hf: str | None  # e.g. "model.layers.{i}.self_attn.q_proj.weight"
     transform: Transform = Transform.NONE
     gguf_unpermute: str | None = None  # "q" or "k": undo llama.cpp's rotary row interleave
+    # Added to the tensor when it comes from a GGUF file. llama.cpp's Gemma converter stores norm multipliers
+    # as 1 + w where HF stores w, so Gemma's norm rules set -1.0 and weights stay in HF's convention.
+    gguf_add: float = 0.0
 
 
 def to_our_layout(w: np.ndarray, transform: Transform, spec_shape: tuple[int, ...]) -> np.ndarray:

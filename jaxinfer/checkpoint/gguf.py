@@ -3,7 +3,8 @@
 Config comes from the metadata, tensors are dequantized with the gguf package's NumPy dequantizers (every
 quant type it implements: F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, K-quants, ...), and the Q/K row
 interleave that llama.cpp's converter applies to Llama-architecture files is undone so our rotary
-embedding (HF half-split convention) applies unchanged.
+embedding (HF half-split convention) applies unchanged. Likewise a rule's `gguf_add` undoes value
+conventions of llama.cpp's converters (Gemma norms stored as 1 + w), so loaded weights are HF's.
 """
 
 from __future__ import annotations
@@ -135,13 +136,15 @@ class GGUFCheckpoint:
             ignorable=lambda n: n in _DERIVED_TENSORS,
         )
 
-        def unpermute(path: str, rule: TensorRule, w: np.ndarray) -> np.ndarray:
-            if rule.gguf_unpermute == "q":
-                return unpermute_rotary_rows(w, cfg.num_heads)
-            if rule.gguf_unpermute == "k":
-                return unpermute_rotary_rows(w, cfg.num_kv_heads)
+        # llama.cpp permutes Q/K rows only in Llama-architecture files; other families keep HF's order.
+        permuted = self.metadata["general.architecture"] in ("llama", "mistral")
+
+        def postprocess(path: str, rule: TensorRule, w: np.ndarray) -> np.ndarray:
+            if permuted and rule.gguf_unpermute is not None:
+                w = unpermute_rotary_rows(w, cfg.num_heads if rule.gguf_unpermute == "q" else cfg.num_kv_heads)
+            if rule.gguf_add:
+                w = w + np.asarray(rule.gguf_add, w.dtype)
             return w
 
-        post = unpermute if self.metadata["general.architecture"] in ("llama", "mistral") else None
-        return assemble_weights(specs, self.family.checkpoint_rules(), source, "gguf", mesh, rules, post)
+        return assemble_weights(specs, self.family.checkpoint_rules(), source, "gguf", mesh, rules, postprocess)
 

@@ -4,7 +4,8 @@ Same contract as the Llama family (weights are data, `forward` is a function ove
 batch axis). What Gemma 3 adds:
 
 - the embedding is scaled by sqrt(D), rounded to the activation dtype first (as HF does);
-- RMSNorms multiply by (1 + w) (`Gemma3Config.norm_weight_offset`, see below), with four norms per layer:
+- RMSNorms multiply by (1 + w), w stored as HF stores it (GGUF loading converts llama.cpp's 1 + w through
+  the rules' `gguf_add`; random init gives w = 0, the identity), with four norms per layer:
   before and after attention, before and after the MLP, each post-norm applied to the branch output
   before the residual add;
 - QK-norm: RMSNorm over head_dim on queries and keys, before RoPE;
@@ -37,7 +38,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxinfer.checkpoint.assemble import CheckpointError, TensorRule, Transform
-from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.config import ConfigError, ModelConfig, RopeScaling
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.models.common import (
     AttentionFn,
@@ -51,35 +52,17 @@ from jaxinfer.models.common import (
 from jaxinfer.params import Init, ParamSpec
 from jaxinfer.sharding import Logical as L
 
-# Published Gemma 3 values that GGUF metadata and old HF configs leave implicit (llama.cpp hard-codes the
-# same ones): every 6th layer is global, local layers rotate with base 10000.
+# Published Gemma 3 values that GGUF metadata leaves implicit (llama.cpp hard-codes the same ones): every 6th
+# layer is global, local layers rotate with base 10000. Old HF configs omit them too.
 DEFAULT_SLIDING_WINDOW_PATTERN = 6
 DEFAULT_ROPE_LOCAL_THETA = 10_000.0
-GEMMA3_27B_LAYERS = 62  # the one size whose query scale is 1/sqrt(D/N) instead of 1/sqrt(head_dim)
-
-
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class Gemma3Config(ModelConfig):
-    """ModelConfig plus the Gemma 3 fields; what the Gemma checkpoint readers return.
-
-    A bridge until ModelConfig carries these fields itself (then YAML presets can set them too). Plain
-    ModelConfigs (the YAML presets) get the published values through `gemma3_extras`.
-    """
-
-    sliding_window: int | None = None  # local layers see the last W positions, their own included
-    sliding_window_pattern: int | None = None  # layers pattern-1, 2*pattern-1, ... (0-based) are global
-    rope_local_theta: float | None = None
-    query_pre_attn_scalar: float | None = None
-    attn_logit_softcap: float | None = None
-    final_logit_softcap: float | None = None
-    # What a stored norm weight means: 1.0 for HF's `w` (the multiplier is 1 + w), 0.0 for llama.cpp GGUFs,
-    # whose converter stores the multiplier 1 + w itself.
-    norm_weight_offset: float = 1.0
+GEMMA3_27B_LAYERS = 62  # how llama.cpp recognizes 27B, the one size whose query scale is 1/sqrt(D/N)
+REQUIRED_FIELDS = ("sliding_window", "sliding_window_pattern", "rope_local_theta", "query_pre_attn_scalar")
 
 
 @dataclasses.dataclass(frozen=True)
 class Gemma3Extras:
-    """The Gemma-only settings forward needs, resolved to concrete values."""
+    """The Gemma-only ModelConfig fields, checked present and narrowed to concrete types."""
 
     sliding_window: int
     sliding_window_pattern: int
@@ -87,33 +70,26 @@ class Gemma3Extras:
     query_pre_attn_scalar: float
     attn_logit_softcap: float | None
     final_logit_softcap: float | None
-    norm_weight_offset: float
 
     def is_global(self, layer: int) -> bool:
         return (layer + 1) % self.sliding_window_pattern == 0
 
 
-def published_query_pre_attn_scalar(cfg: ModelConfig) -> float:
-    """Gemma 3 27B scales queries by 1/sqrt(D/N) = 1/sqrt(168); every other size by 1/sqrt(head_dim)."""
-    if cfg.num_layers == GEMMA3_27B_LAYERS:
-        return cfg.hidden_size / cfg.num_heads
-    return float(cfg.head_size)
-
-
 def gemma3_extras(cfg: ModelConfig) -> Gemma3Extras:
-    """Gemma settings from the config's fields where it has them, else the published Gemma 3 values."""
-    field = lambda name: getattr(cfg, name, None)  # noqa: E731
-    # Published windows: 512 on 270M and 1B (18 and 26 layers), 1024 on 4B and larger.
-    window = field("sliding_window") or (512 if cfg.num_layers <= 26 else 1024)
-    offset = field("norm_weight_offset")
+    """The config's Gemma fields; a config missing one is an error rather than a guess from the model size."""
+    missing = [name for name in REQUIRED_FIELDS if getattr(cfg, name) is None]
+    if missing:
+        raise ConfigError(
+            f"ModelConfig.{missing[0]} is not set, and Gemma 3 needs it "
+            f"(set {', '.join(missing)} in the model config; the gemma3-*.yaml presets show the published values)."
+        )
     return Gemma3Extras(
-        sliding_window=int(window),
-        sliding_window_pattern=int(field("sliding_window_pattern") or DEFAULT_SLIDING_WINDOW_PATTERN),
-        rope_local_theta=float(field("rope_local_theta") or DEFAULT_ROPE_LOCAL_THETA),
-        query_pre_attn_scalar=float(field("query_pre_attn_scalar") or published_query_pre_attn_scalar(cfg)),
-        attn_logit_softcap=field("attn_logit_softcap"),
-        final_logit_softcap=field("final_logit_softcap"),
-        norm_weight_offset=1.0 if offset is None else float(offset),
+        sliding_window=int(cfg.sliding_window),
+        sliding_window_pattern=int(cfg.sliding_window_pattern),
+        rope_local_theta=float(cfg.rope_local_theta),
+        query_pre_attn_scalar=float(cfg.query_pre_attn_scalar),
+        attn_logit_softcap=cfg.attn_logit_softcap,
+        final_logit_softcap=cfg.final_logit_softcap,
     )
 
 
@@ -141,28 +117,32 @@ class Gemma3Weights:
     final_norm: jax.Array  # [D]
 
 
-def _norm_spec(size: int, axis: L | None, dtype: jnp.dtype, offset: float) -> ParamSpec:
-    # Random weights must give an identity scale: w = 0 when the multiplier is 1 + w, else w = 1.
-    return ParamSpec((size,), dtype, (axis,), Init.ZEROS if offset == 1.0 else Init.ONES)
+def _norm_spec(size: int, axis: L | None, dtype: jnp.dtype) -> ParamSpec:
+    # Zeros: the multiplier is 1 + w, so random weights get identity norms.
+    return ParamSpec((size,), dtype, (axis,), Init.ZEROS)
+
+
+def _norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    """Gemma's RMSNorm: the stored weight is HF's w and the multiplier 1 + w."""
+    return rms_norm(x, w, eps, offset=1.0)
 
 
 def layer_specs(cfg: ModelConfig, dtype: jnp.dtype) -> Gemma3Layer:
     d, n, k, h, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.intermediate_size
-    offset = gemma3_extras(cfg).norm_weight_offset
     return Gemma3Layer(
-        attn_norm=_norm_spec(d, L.EMBED, dtype, offset),
+        attn_norm=_norm_spec(d, L.EMBED, dtype),
         wq=ParamSpec((d, n, h), dtype, (L.EMBED, L.Q_HEADS, L.HEAD_DIM)),
         wk=ParamSpec((d, k, h), dtype, (L.EMBED, L.KV_HEADS, L.HEAD_DIM)),
         wv=ParamSpec((d, k, h), dtype, (L.EMBED, L.KV_HEADS, L.HEAD_DIM)),
-        q_norm=_norm_spec(h, L.HEAD_DIM, dtype, offset),
-        k_norm=_norm_spec(h, L.HEAD_DIM, dtype, offset),
+        q_norm=_norm_spec(h, L.HEAD_DIM, dtype),
+        k_norm=_norm_spec(h, L.HEAD_DIM, dtype),
         wo=ParamSpec((n, h, d), dtype, (L.Q_HEADS, L.HEAD_DIM, L.EMBED), fan_in_axes=(0, 1)),
-        post_attn_norm=_norm_spec(d, L.EMBED, dtype, offset),
-        mlp_norm=_norm_spec(d, L.EMBED, dtype, offset),
+        post_attn_norm=_norm_spec(d, L.EMBED, dtype),
+        mlp_norm=_norm_spec(d, L.EMBED, dtype),
         w_gate=ParamSpec((d, f), dtype, (L.EMBED, L.FFN)),
         w_up=ParamSpec((d, f), dtype, (L.EMBED, L.FFN)),
         w_down=ParamSpec((f, d), dtype, (L.FFN, L.EMBED)),
-        post_mlp_norm=_norm_spec(d, L.EMBED, dtype, offset),
+        post_mlp_norm=_norm_spec(d, L.EMBED, dtype),
     )
 
 
@@ -173,7 +153,7 @@ def param_specs(cfg: ModelConfig, dtype: jnp.dtype) -> Gemma3Weights:
         # Row lookup, so scale 1 (the sqrt(D) embedding scale brings it to the residual stream's size).
         embed=ParamSpec((v, d), dtype, (L.VOCAB, L.EMBED), fan_in_axes=()),
         layers=tuple(layer_specs(cfg, dtype) for _ in range(cfg.num_layers)),
-        final_norm=_norm_spec(d, L.EMBED, dtype, gemma3_extras(cfg).norm_weight_offset),
+        final_norm=_norm_spec(d, L.EMBED, dtype),
     )
 
 
@@ -204,7 +184,8 @@ def query_scale_fix(cfg: ModelConfig, ex: Gemma3Extras) -> float | None:
 
     The runner binds sm_scale = head_size**-0.5 for every family; Gemma 3 27B needs 1/sqrt(168) with
     head_dim 128, so its queries are pre-multiplied (soft-capping, if any, comes after the scale, so
-    this is exact up to rounding). None when no fix is needed (every size but 27B).
+    this is exact up to rounding). None when no fix is needed (every size but 27B). Once the runner binds
+    sm_scale from query_pre_attn_scalar, this fix goes away.
     """
     fix = math.sqrt(cfg.head_size / ex.query_pre_attn_scalar)
     return None if fix == 1.0 else fix
@@ -221,12 +202,12 @@ def attention_block(
     ex: Gemma3Extras,
     attn_fn: AttentionFn,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    eps, offset = cfg.rms_norm_eps, ex.norm_weight_offset
+    eps = cfg.rms_norm_eps
     q = jnp.einsum("td,dnh->tnh", x, layer.wq)  # [T, N, H]
     k = jnp.einsum("td,dkh->tkh", x, layer.wk)  # [T, K, H]
     v = jnp.einsum("td,dkh->tkh", x, layer.wv)  # [T, K, H]
-    q = rms_norm(q, layer.q_norm, eps, offset=offset)  # over H, per head
-    k = rms_norm(k, layer.k_norm, eps, offset=offset)
+    q = _norm(q, layer.q_norm, eps)  # over H, per head
+    k = _norm(k, layer.k_norm, eps)
     q = apply_rope(q, md.positions, settings.inv_freq)
     k = apply_rope(k, md.positions, settings.inv_freq)
     fix = query_scale_fix(cfg, ex)
@@ -254,20 +235,20 @@ def forward(
 ) -> tuple[jax.Array, KVCache]:
     """token_ids [T] -> final normed hidden states [T, D] and the updated cache (layer loop unrolled)."""
     ex = gemma3_extras(cfg)
-    eps, offset = cfg.rms_norm_eps, ex.norm_weight_offset
+    eps = cfg.rms_norm_eps
     settings = layer_attention_settings(cfg, ex)
     x = embed_tokens(weights, token_ids)  # [T, D]
     new_k, new_v = [], []
     for layer, k_pages, v_pages, s in zip(weights.layers, kv_cache.k, kv_cache.v, settings):
-        h = rms_norm(x, layer.attn_norm, eps, offset=offset)
+        h = _norm(x, layer.attn_norm, eps)
         h, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, s, cfg, ex, attn_fn)
-        x = x + rms_norm(h, layer.post_attn_norm, eps, offset=offset)
-        h = rms_norm(x, layer.mlp_norm, eps, offset=offset)
+        x = x + _norm(h, layer.post_attn_norm, eps)
+        h = _norm(x, layer.mlp_norm, eps)
         h = gated_mlp(h, layer.w_gate, layer.w_up, layer.w_down, "gelu_tanh")
-        x = x + rms_norm(h, layer.post_mlp_norm, eps, offset=offset)
+        x = x + _norm(h, layer.post_mlp_norm, eps)
         new_k.append(k_pages)
         new_v.append(v_pages)
-    x = rms_norm(x, weights.final_norm, eps, offset=offset)
+    x = _norm(x, weights.final_norm, eps)
     return x, KVCache(k=tuple(new_k), v=tuple(new_v))
 
 
@@ -282,34 +263,47 @@ def checkpoint_rules() -> list[TensorRule]:
     """Declarative name map for GGUF (llama.cpp names) and HF safetensors checkpoints.
 
     Gemma GGUFs keep HF's Q/K row order (llama.cpp permutes only Llama-architecture files), so no
-    un-permute here.
+    un-permute here. Their norms hold 1 + w (llama.cpp's converter adds HF's 1), hence gguf_add=-1.
     """
     T = Transform
     hf = "model.layers.{i}."
+
+    def norm_rule(path: str, gguf_name: str, hf_name: str) -> TensorRule:
+        return TensorRule(path, gguf_name, hf_name, gguf_add=-1.0)
+
     return [
         TensorRule("embed", "token_embd.weight", "model.embed_tokens.weight"),
-        TensorRule("final_norm", "output_norm.weight", "model.norm.weight"),
-        TensorRule("layers.{i}.attn_norm", "blk.{i}.attn_norm.weight", hf + "input_layernorm.weight"),
+        norm_rule("final_norm", "output_norm.weight", "model.norm.weight"),
+        norm_rule("layers.{i}.attn_norm", "blk.{i}.attn_norm.weight", hf + "input_layernorm.weight"),
         TensorRule("layers.{i}.wq", "blk.{i}.attn_q.weight", hf + "self_attn.q_proj.weight", T.LINEAR_TO_HEADS),
         TensorRule("layers.{i}.wk", "blk.{i}.attn_k.weight", hf + "self_attn.k_proj.weight", T.LINEAR_TO_HEADS),
         TensorRule("layers.{i}.wv", "blk.{i}.attn_v.weight", hf + "self_attn.v_proj.weight", T.LINEAR_TO_HEADS),
-        TensorRule("layers.{i}.q_norm", "blk.{i}.attn_q_norm.weight", hf + "self_attn.q_norm.weight"),
-        TensorRule("layers.{i}.k_norm", "blk.{i}.attn_k_norm.weight", hf + "self_attn.k_norm.weight"),
+        norm_rule("layers.{i}.q_norm", "blk.{i}.attn_q_norm.weight", hf + "self_attn.q_norm.weight"),
+        norm_rule("layers.{i}.k_norm", "blk.{i}.attn_k_norm.weight", hf + "self_attn.k_norm.weight"),
         TensorRule("layers.{i}.wo", "blk.{i}.attn_output.weight", hf + "self_attn.o_proj.weight",
                    T.LINEAR_FROM_HEADS),
-        TensorRule("layers.{i}.post_attn_norm", "blk.{i}.post_attention_norm.weight",
-                   hf + "post_attention_layernorm.weight"),
-        TensorRule("layers.{i}.mlp_norm", "blk.{i}.ffn_norm.weight", hf + "pre_feedforward_layernorm.weight"),
+        norm_rule("layers.{i}.post_attn_norm", "blk.{i}.post_attention_norm.weight",
+                  hf + "post_attention_layernorm.weight"),
+        norm_rule("layers.{i}.mlp_norm", "blk.{i}.ffn_norm.weight", hf + "pre_feedforward_layernorm.weight"),
         TensorRule("layers.{i}.w_gate", "blk.{i}.ffn_gate.weight", hf + "mlp.gate_proj.weight", T.LINEAR),
         TensorRule("layers.{i}.w_up", "blk.{i}.ffn_up.weight", hf + "mlp.up_proj.weight", T.LINEAR),
         TensorRule("layers.{i}.w_down", "blk.{i}.ffn_down.weight", hf + "mlp.down_proj.weight", T.LINEAR),
-        TensorRule("layers.{i}.post_mlp_norm", "blk.{i}.post_ffw_norm.weight",
-                   hf + "post_feedforward_layernorm.weight"),
+        norm_rule("layers.{i}.post_mlp_norm", "blk.{i}.post_ffw_norm.weight",
+                  hf + "post_feedforward_layernorm.weight"),
     ]
 
 
-def config_from_gguf(meta: dict[str, Any]) -> Gemma3Config:
-    """Gemma3Config from llama.cpp metadata (`gemma3.*`); what the metadata omits is the published value."""
+def llama_cpp_query_pre_attn_scalar(num_layers: int, hidden_size: int, num_heads: int, head_dim: int) -> float:
+    """GGUF metadata has no query_pre_attn_scalar; llama.cpp derives it from the size, and so do we.
+
+    Gemma 3 27B (recognized by its layer count) scales queries by 1/sqrt(D/N) = 1/sqrt(168), every other
+    size by 1/sqrt(head_dim).
+    """
+    return hidden_size / num_heads if num_layers == GEMMA3_27B_LAYERS else float(head_dim)
+
+
+def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from llama.cpp metadata (`gemma3.*`); what the metadata omits is the published value."""
     arch = meta["general.architecture"]
 
     def key(name: str, default: Any = None) -> Any:
@@ -321,7 +315,7 @@ def config_from_gguf(meta: dict[str, Any]) -> Gemma3Config:
     n_heads = int(key("attention.head_count"))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")
-    cfg = Gemma3Config(
+    cfg = ModelConfig(
         architecture="gemma3",
         vocab_size=int(vocab),
         hidden_size=int(key("embedding_length")),
@@ -343,9 +337,9 @@ def config_from_gguf(meta: dict[str, Any]) -> Gemma3Config:
         rope_local_theta=DEFAULT_ROPE_LOCAL_THETA,
         attn_logit_softcap=meta.get(f"{arch}.attn_logit_softcapping"),
         final_logit_softcap=meta.get(f"{arch}.final_logit_softcapping"),
-        norm_weight_offset=0.0,  # llama.cpp's converter stores 1 + w
     )
-    return cfg.replace(query_pre_attn_scalar=published_query_pre_attn_scalar(cfg))
+    scalar = llama_cpp_query_pre_attn_scalar(cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.head_size)
+    return cfg.replace(query_pre_attn_scalar=scalar)
 
 
 def window_pattern_from_layer_types(layer_types: list[str]) -> int:
@@ -370,8 +364,8 @@ def _hf_rope(hf: dict[str, Any]) -> tuple[dict[str, Any], float, float]:
     return scaling, hf.get("rope_theta", 1_000_000.0), hf.get("rope_local_base_freq", DEFAULT_ROPE_LOCAL_THETA)
 
 
-def config_from_hf(hf: dict[str, Any]) -> Gemma3Config:
-    """Gemma3Config from an HF `config.json` (Gemma3ForCausalLM)."""
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from an HF `config.json` (Gemma3ForCausalLM); absent fields take HF's Gemma3TextConfig defaults."""
     if not hf.get("tie_word_embeddings", True):
         raise CheckpointError("config.json sets tie_word_embeddings=false; Gemma 3 checkpoints tie them.")
     scaling, theta, local_theta = _hf_rope(hf)
@@ -382,7 +376,7 @@ def config_from_hf(hf: dict[str, Any]) -> Gemma3Config:
     layer_types = hf.get("layer_types")
     pattern = window_pattern_from_layer_types(layer_types) if layer_types else hf.get("sliding_window_pattern", 6)
     eos = hf.get("eos_token_id", 1)
-    return Gemma3Config(
+    return ModelConfig(
         architecture="gemma3",
         vocab_size=hf["vocab_size"],
         hidden_size=hf["hidden_size"],
@@ -399,11 +393,10 @@ def config_from_hf(hf: dict[str, Any]) -> Gemma3Config:
         tie_word_embeddings=True,
         bos_token_id=hf.get("bos_token_id", 2),
         eos_token_id=eos[0] if isinstance(eos, list) else eos,
-        sliding_window=hf.get("sliding_window", 4096),
+        sliding_window=int(hf.get("sliding_window", 4096)),
         sliding_window_pattern=pattern,
-        rope_local_theta=local_theta,
-        query_pre_attn_scalar=hf.get("query_pre_attn_scalar", 256),
+        rope_local_theta=float(local_theta),
+        query_pre_attn_scalar=float(hf.get("query_pre_attn_scalar", 256)),
         attn_logit_softcap=hf.get("attn_logit_softcapping"),
         final_logit_softcap=hf.get("final_logit_softcapping"),
-        norm_weight_offset=1.0,
     )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import gguf
@@ -136,7 +137,8 @@ def test_truncated_gguf(tmp_path: Path, smollm2_path: Path) -> None:
         load(path)
 
 
-def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> Path:
+def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray],
+                extra_metadata: Callable[[gguf.GGUFWriter], None] | None = None) -> Path:
     writer = gguf.GGUFWriter(str(path), arch)
     writer.add_block_count(1)
     writer.add_embedding_length(8)
@@ -145,6 +147,8 @@ def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray]) -> Path:
     writer.add_head_count_kv(1)
     writer.add_context_length(64)
     writer.add_vocab_size(32)
+    if extra_metadata is not None:
+        extra_metadata(writer)
     for name, value in tensors.items():
         writer.add_tensor(name, value)
     writer.write_header_to_file()
@@ -168,6 +172,40 @@ def test_gguf_writer_round_trip_loads(tmp_path: Path) -> None:
     cfg, w = load(_write_gguf(tmp_path / "ok.gguf", "llama", tensors))
     assert cfg.tie_word_embeddings and cfg.num_kv_heads == 1
     np.testing.assert_array_equal(np.asarray(w.layers[0].w_up), tensors["blk.0.ffn_up.weight"].T)
+
+
+def _gemma3_metadata(writer: gguf.GGUFWriter) -> None:
+    writer.add_key_length(4)  # head_dim: 2 heads x 4 = the 8-wide model
+    writer.add_value_length(4)
+    writer.add_sliding_window(4)
+
+
+def test_gemma3_gguf_norms_load_in_hf_convention(tmp_path: Path) -> None:
+    """llama.cpp stores Gemma norm multipliers as 1 + w; the loader's gguf_add=-1 gives back HF's w."""
+    r = np.random.default_rng(1)
+    t = lambda *s: r.standard_normal(s).astype(np.float32)  # noqa: E731  [out, in]
+    hf_norms = {"output_norm.weight": t(8), "blk.0.attn_norm.weight": t(8), "blk.0.attn_q_norm.weight": t(4),
+                "blk.0.attn_k_norm.weight": t(4), "blk.0.post_attention_norm.weight": t(8),
+                "blk.0.ffn_norm.weight": t(8), "blk.0.post_ffw_norm.weight": t(8)}
+    tensors = {**_tiny_gguf_tensors(), **{n: 1.0 + w for n, w in hf_norms.items()}}
+    cfg, w = load(_write_gguf(tmp_path / "g.gguf", "gemma3", tensors, _gemma3_metadata))
+    assert cfg.architecture == "gemma3" and cfg.head_size == 4 and cfg.sliding_window == 4
+    loaded = {"output_norm.weight": w.final_norm, "blk.0.attn_norm.weight": w.layers[0].attn_norm,
+              "blk.0.attn_q_norm.weight": w.layers[0].q_norm, "blk.0.attn_k_norm.weight": w.layers[0].k_norm,
+              "blk.0.post_attention_norm.weight": w.layers[0].post_attn_norm,
+              "blk.0.ffn_norm.weight": w.layers[0].mlp_norm, "blk.0.post_ffw_norm.weight": w.layers[0].post_mlp_norm}
+    for name, want in hf_norms.items():
+        np.testing.assert_allclose(np.asarray(loaded[name]), want, rtol=0, atol=1e-6, err_msg=name)
+    # Only norms shift: the other tensors come through unchanged (and Gemma's Q/K rows are not un-permuted).
+    np.testing.assert_array_equal(np.asarray(w.layers[0].w_up), tensors["blk.0.ffn_up.weight"].T)
+    np.testing.assert_array_equal(np.asarray(w.layers[0].wq), tensors["blk.0.attn_q.weight"].reshape(2, 4, 8)
+                                  .transpose(2, 0, 1))
+
+
+def test_llama_gguf_norms_are_not_shifted(tmp_path: Path) -> None:
+    tensors = _tiny_gguf_tensors()
+    _, w = load(_write_gguf(tmp_path / "l.gguf", "llama", tensors))
+    np.testing.assert_array_equal(np.asarray(w.final_norm), tensors["output_norm.weight"])
 
 
 def test_unknown_gguf_architecture(tmp_path: Path) -> None:

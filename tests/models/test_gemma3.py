@@ -13,44 +13,44 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.config import MeshConfig, ModelConfig, RopeScaling
+from jaxinfer.config import ConfigError, MeshConfig, ModelConfig, RopeScaling
 from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
 from jaxinfer.engine.runner import ModelRunner, make_attention_fn
 from jaxinfer.kv_cache import KVCache, allocate_kv_cache
 from jaxinfer.models import GEMMA3, family_for_gguf, family_for_hf
 from jaxinfer.models.common import AttentionMetadata
-from jaxinfer.models.gemma3 import Gemma3Config, config_from_hf, gemma3_extras
+from jaxinfer.models.gemma3 import config_from_gguf, config_from_hf, gemma3_extras
 from jaxinfer.params import abstract_params, count_params, init_params
 from jaxinfer.presets import load_preset
 from jaxinfer.sharding import make_mesh, tensor_parallel_rules
 
 
-def tiny_config(**overrides) -> Gemma3Config:
+def tiny_config(**overrides) -> ModelConfig:
     """Gemma 3 270M's preset shrunk to test size, with a window short enough to matter at 11 tokens."""
     base = dict(vars(load_preset("gemma3-270m")))
     small = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
                  head_dim=16, sliding_window=4, sliding_window_pattern=2, rope_local_theta=100.0,
                  query_pre_attn_scalar=16.0)
-    return Gemma3Config(**{**base, **small, **overrides})
+    return ModelConfig(**{**base, **small, **overrides})
 
 
 def build_runner(cfg: ModelConfig, tp: int = 1, seed: int = 0, num_pages: int = 64, page_size: int = 4):
     mesh = make_mesh(MeshConfig(tensor=tp))
     rules = tensor_parallel_rules(cfg, tp)
     weights = init_params(GEMMA3.param_specs(cfg, jnp.float32), jax.random.key(seed), mesh, rules)
-    weights = randomize_norms(weights, seed, gemma3_extras(cfg).norm_weight_offset)
+    weights = randomize_norms(weights, seed)
     cache = allocate_kv_cache(cfg, num_pages, page_size, jnp.float32, mesh, rules)
     return ModelRunner(GEMMA3, cfg, weights, cache, mesh, rules, attention_impl="reference")
 
 
-def randomize_norms(weights, seed: int, offset: float):
-    """Random init leaves norms at identity; perturb them so a wrong (1 + w) convention shows up."""
+def randomize_norms(weights, seed: int):
+    """Random init leaves norms at identity (w = 0); perturb them so a wrong (1 + w) convention shows up."""
     rng = np.random.default_rng(seed + 100)
 
     def perturb(path, w):
         if "norm" not in jax.tree_util.keystr(path):
             return w
-        new = (1.0 - offset) + rng.normal(0.0, 0.3, w.shape).astype(np.float32)
+        new = rng.normal(0.0, 0.3, w.shape).astype(np.float32)
         return jax.device_put(new, w.sharding)
 
     return jax.tree_util.tree_map_with_path(perturb, weights)
@@ -70,7 +70,7 @@ def dense_reference_logits(w, cfg: ModelConfig, ids: list[int]) -> np.ndarray:
         return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
 
     def norm(x, g):
-        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * (ex.norm_weight_offset + f64(g))
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * (1.0 + f64(g))
 
     def gelu_tanh(x):
         return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
@@ -125,10 +125,9 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     [
         {},
         dict(num_kv_heads=4, rope_scaling=RopeScaling.LINEAR, rope_scaling_factor=8.0),
-        dict(num_kv_heads=1, query_pre_attn_scalar=10.0, attn_logit_softcap=5.0, final_logit_softcap=3.0,
-             norm_weight_offset=0.0),
+        dict(num_kv_heads=1, query_pre_attn_scalar=10.0, attn_logit_softcap=5.0, final_logit_softcap=3.0),
     ],
-    ids=["gqa", "mha-linear-rope", "mqa-scaled-softcaps-gguf-norms"],
+    ids=["gqa", "mha-linear-rope", "mqa-scaled-softcaps"],
 )
 def test_paged_forward_matches_dense_reference(overrides) -> None:
     cfg = tiny_config(**overrides)
@@ -202,12 +201,41 @@ def test_full_size_presets_trace(name: str, params_b: float) -> None:
     assert len(cache.k) == cfg.num_layers
 
 
-def test_published_extras_of_presets() -> None:
-    """Presets cannot carry Gemma-only fields yet; the published values come from gemma3_extras."""
-    windows = {n: gemma3_extras(load_preset(f"gemma3-{n}")).sliding_window for n in ("270m", "1b", "4b", "27b")}
-    assert windows == {"270m": 512, "1b": 512, "4b": 1024, "27b": 1024}
-    assert gemma3_extras(load_preset("gemma3-27b")).query_pre_attn_scalar == 168.0
-    assert gemma3_extras(load_preset("gemma3-12b")).query_pre_attn_scalar == 256.0
+def test_presets_carry_the_published_gemma_fields() -> None:
+    presets = {n: load_preset(f"gemma3-{n}") for n in ("270m", "1b", "4b", "12b", "27b")}
+    assert {n: c.sliding_window for n, c in presets.items()} == {
+        "270m": 512, "1b": 512, "4b": 1024, "12b": 1024, "27b": 1024}
+    assert {n: c.query_pre_attn_scalar for n, c in presets.items()} == {
+        "270m": 256.0, "1b": 256.0, "4b": 256.0, "12b": 256.0, "27b": 168.0}
+    for cfg in presets.values():
+        ex = gemma3_extras(cfg)
+        assert (ex.sliding_window_pattern, ex.rope_local_theta) == (6, 10000.0)
+        assert ex.attn_logit_softcap is None and ex.final_logit_softcap is None
+
+
+@pytest.mark.parametrize("field", ["sliding_window", "sliding_window_pattern", "rope_local_theta",
+                                   "query_pre_attn_scalar"])
+def test_missing_gemma_field_is_named(field: str) -> None:
+    """No guessing from the model size: a Gemma config without a required field fails, naming it."""
+    with pytest.raises(ConfigError, match=f"ModelConfig.{field} is not set, and Gemma 3 needs it"):
+        gemma3_extras(tiny_config(**{field: None}))
+
+
+@pytest.mark.parametrize("field", ["sliding_window", "sliding_window_pattern", "query_pre_attn_scalar"])
+def test_nonpositive_gemma_field_is_rejected(field: str) -> None:
+    with pytest.raises(ConfigError, match=f"ModelConfig.{field} must be > 0 when set, got 0"):
+        tiny_config(**{field: 0})
+
+
+@pytest.mark.parametrize("layers, scalar", [(62, 5376 / 32), (34, 128.0)])
+def test_gguf_query_pre_attn_scalar_follows_llama_cpp(layers: int, scalar: float) -> None:
+    """GGUF metadata has no query_pre_attn_scalar; like llama.cpp, 27B (62 layers) uses D/N, others head_dim."""
+    meta = {"general.architecture": "gemma3", "gemma3.embedding_length": 5376, "gemma3.feed_forward_length": 64,
+            "gemma3.block_count": layers, "gemma3.attention.head_count": 32, "gemma3.attention.key_length": 128,
+            "gemma3.attention.sliding_window": 1024, "gemma3.vocab_size": 16}
+    cfg = config_from_gguf(meta)
+    assert cfg.query_pre_attn_scalar == scalar
+    assert (cfg.sliding_window, cfg.sliding_window_pattern, cfg.rope_local_theta) == (1024, 6, 10000.0)
 
 
 def test_config_from_hf_old_and_new_rope_fields() -> None:
@@ -247,38 +275,78 @@ def hf_layout(w: np.ndarray, transform) -> np.ndarray:
     return w
 
 
-def test_hf_safetensors_directory_loads(tmp_path) -> None:
-    """Writes a random model under HF Gemma3ForCausalLM names (new-style config.json) and loads it back."""
+def hf_config_json(cfg: ModelConfig) -> dict:
+    """An HF Gemma3ForCausalLM config.json (transformers >= 5 style) describing `cfg`."""
+    pattern = cfg.sliding_window_pattern
+    layer_types = ["full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(cfg.num_layers)]
+    return dict(architectures=["Gemma3ForCausalLM"], vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
+                intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
+                num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                rms_norm_eps=cfg.rms_norm_eps, sliding_window=cfg.sliding_window,
+                query_pre_attn_scalar=cfg.query_pre_attn_scalar, attn_logit_softcapping=cfg.attn_logit_softcap,
+                final_logit_softcapping=cfg.final_logit_softcap, max_position_embeddings=cfg.max_position_embeddings,
+                tie_word_embeddings=True, bos_token_id=cfg.bos_token_id, eos_token_id=cfg.eos_token_id,
+                layer_types=layer_types,
+                rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+                                 "sliding_attention": {"rope_type": "default", "rope_theta": cfg.rope_local_theta}})
+
+
+def write_hf_gemma_dir(directory, cfg: ModelConfig, weights):
+    """Our weights under HF Gemma3ForCausalLM names and layouts, plus config.json; returns the directory."""
     import json
     import re
 
     from safetensors.numpy import save_file
 
-    from jaxinfer.checkpoint import open_checkpoint
-
-    cfg = tiny_config()
-    runner = build_runner(cfg, seed=7)
     rules = {r.path: r for r in GEMMA3.checkpoint_rules()}
     tensors = {}
-    for path, w in jax.tree_util.tree_flatten_with_path(runner.weights)[0]:
+    for path, w in jax.tree_util.tree_flatten_with_path(weights)[0]:
         ours = jax.tree_util.keystr(path, simple=True, separator=".")
         rule = rules[re.sub(r"^layers\.\d+\.", "layers.{i}.", ours)]
         layer = re.match(r"^layers\.(\d+)\.", ours)
         name = rule.hf.format(i=layer.group(1) if layer else "")
         tensors[name] = np.ascontiguousarray(hf_layout(np.asarray(w), rule.transform))
-    save_file(tensors, str(tmp_path / "model.safetensors"))
-    hf_config = dict(architectures=["Gemma3ForCausalLM"], vocab_size=cfg.vocab_size, hidden_size=cfg.hidden_size,
-                     intermediate_size=cfg.intermediate_size, num_hidden_layers=cfg.num_layers,
-                     num_attention_heads=cfg.num_heads, num_key_value_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
-                     rms_norm_eps=cfg.rms_norm_eps, sliding_window=4, query_pre_attn_scalar=16,
-                     max_position_embeddings=cfg.max_position_embeddings, tie_word_embeddings=True,
-                     layer_types=["sliding_attention", "full_attention"],
-                     rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": cfg.rope_theta},
-                                      "sliding_attention": {"rope_type": "default", "rope_theta": 100.0}})
-    (tmp_path / "config.json").write_text(json.dumps(hf_config))
-    ckpt = open_checkpoint(tmp_path)
-    assert ckpt.config == cfg
-    mesh = make_mesh(MeshConfig())
-    loaded = ckpt.load_weights(GEMMA3.param_specs(cfg, jnp.float32), mesh, tensor_parallel_rules(cfg, 1))
-    for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(runner.weights)):
-        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"))
+    (directory / "config.json").write_text(json.dumps(hf_config_json(cfg)))
+    return directory
+
+
+def load_checkpoint(path, tp: int = 1):
+    from jaxinfer.checkpoint import open_checkpoint
+
+    ckpt = open_checkpoint(path)
+    cfg = ckpt.config
+    mesh = make_mesh(MeshConfig(tensor=tp))
+    return cfg, ckpt.load_weights(GEMMA3.param_specs(cfg, jnp.float32), mesh, tensor_parallel_rules(cfg, tp))
+
+
+def assert_same_weights(a, b) -> None:
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_hf_safetensors_directory_loads(tmp_path) -> None:
+    """Writes a random model under HF Gemma3ForCausalLM names (new-style config.json) and loads it back."""
+    cfg = tiny_config()
+    runner = build_runner(cfg, seed=7)
+    cfg_loaded, loaded = load_checkpoint(write_hf_gemma_dir(tmp_path, cfg, runner.weights))
+    assert cfg_loaded == cfg
+    assert_same_weights(loaded, runner.weights)
+
+
+def test_convert_round_trips_through_orbax(tmp_path, gemma3_path) -> None:
+    """`jaxinfer convert` of a Gemma checkpoint keeps every Gemma field and the weights (norms unshifted)."""
+    from jaxinfer.cli import main
+    from jaxinfer.tokenizer import load_tokenizer
+
+    cfg = tiny_config(attn_logit_softcap=5.0, final_logit_softcap=3.0)  # every Gemma field set
+    runner = build_runner(cfg, seed=8)
+    src = write_hf_gemma_dir(tmp_path / "hf", cfg, runner.weights)
+    load_tokenizer(gemma3_path).save(src)
+    dst = tmp_path / "orbax"
+    assert main(["convert", str(src), str(dst), "--dtype", "float32"]) == 0
+    cfg_converted, converted = load_checkpoint(dst, tp=2)  # restored straight into a 2-way layout
+    assert cfg_converted == cfg
+    assert_same_weights(converted, runner.weights)
+    assert (dst / "tokenizer" / "tokenizer.model").is_file()
