@@ -94,7 +94,8 @@ class _DecodeCarry(NamedTuple):
 def make_attention_fn(cfg: ModelConfig, impl: str, interpret: bool, **extra: Any) -> Any:
     """Bind the kernel choice and static attention settings; the model calls it per layer."""
     impl = resolve_impl(impl)  # resolve now: the platform is fixed for the runner's lifetime
-    sm_scale = extra.pop("sm_scale", cfg.head_size**-0.5)
+    # Gemma 3 scales queries by 1/sqrt(query_pre_attn_scalar), which differs from head_dim on the 27B.
+    sm_scale = extra.pop("sm_scale", (cfg.query_pre_attn_scalar or cfg.head_size) ** -0.5)
 
     def attn(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata, **layer: Any) -> jax.Array:
         return ragged_paged_attention(

@@ -179,18 +179,6 @@ def layer_attention_settings(cfg: ModelConfig, ex: Gemma3Extras) -> list[LayerAt
     return out
 
 
-def query_scale_fix(cfg: ModelConfig, ex: Gemma3Extras) -> float | None:
-    """Factor that turns the attention function's 1/sqrt(head_dim) into 1/sqrt(query_pre_attn_scalar).
-
-    The runner binds sm_scale = head_size**-0.5 for every family; Gemma 3 27B needs 1/sqrt(168) with
-    head_dim 128, so its queries are pre-multiplied (soft-capping, if any, comes after the scale, so
-    this is exact up to rounding). None when no fix is needed (every size but 27B). Once the runner binds
-    sm_scale from query_pre_attn_scalar, this fix goes away.
-    """
-    fix = math.sqrt(cfg.head_size / ex.query_pre_attn_scalar)
-    return None if fix == 1.0 else fix
-
-
 def attention_block(
     layer: Gemma3Layer,
     x: jax.Array,
@@ -199,7 +187,6 @@ def attention_block(
     md: AttentionMetadata,
     settings: LayerAttention,
     cfg: ModelConfig,
-    ex: Gemma3Extras,
     attn_fn: AttentionFn,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     eps = cfg.rms_norm_eps
@@ -210,9 +197,6 @@ def attention_block(
     k = _norm(k, layer.k_norm, eps)
     q = apply_rope(q, md.positions, settings.inv_freq)
     k = apply_rope(k, md.positions, settings.inv_freq)
-    fix = query_scale_fix(cfg, ex)
-    if fix is not None:
-        q = q * jnp.asarray(fix, q.dtype)
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
     attn = attn_fn(q, k_pages, v_pages, md, **settings.kwargs)  # [T, N, H]
     out = jnp.einsum("tnh,nhd->td", attn, layer.wo)  # [T, D]
@@ -241,7 +225,7 @@ def forward(
     new_k, new_v = [], []
     for layer, k_pages, v_pages, s in zip(weights.layers, kv_cache.k, kv_cache.v, settings):
         h = _norm(x, layer.attn_norm, eps)
-        h, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, s, cfg, ex, attn_fn)
+        h, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, s, cfg, attn_fn)
         x = x + _norm(h, layer.post_attn_norm, eps)
         h = _norm(x, layer.mlp_norm, eps)
         h = gated_mlp(h, layer.w_gate, layer.w_up, layer.w_down, "gelu_tanh")
