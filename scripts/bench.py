@@ -52,36 +52,48 @@ def matmul_rate(n: int = 8192) -> float:
     return 2 * n**3 / _median_time(lambda: f(a, b))
 
 
-def build(model: str, batch: int, max_len: int, tokens: int, warmup: bool = True) -> Any:
+def build(model: str, batch: int, max_len: int, tokens: int, warmup: bool = True, decode_steps: int = 1) -> Any:
     from jaxinfer import LLM
 
     t = time.perf_counter()
     llm = LLM(model, random_weights=True, dtype="bfloat16", max_num_seqs=batch, max_model_len=max_len,
-              max_num_batched_tokens=tokens, page_size=16, memory_fraction=0.6, use_tqdm=False, warmup=warmup)
+              max_num_batched_tokens=tokens, page_size=16, memory_fraction=0.6, use_tqdm=False, warmup=warmup,
+              decode_steps_per_call=decode_steps)
     return llm, time.perf_counter() - t
 
 
+def _generated(engine: Any) -> int:
+    return sum(len(s.token_ids) for r in engine.requests.values() for s in r.seqs)
+
+
 def decode_mbu(llm: Any, batch: int, ctx: int, steps: int, copy_bw: float) -> dict[str, float]:
-    """Prefill `batch` prompts of `ctx` tokens, then time `steps` decode steps of the whole batch."""
+    """Prefill `batch` prompts of `ctx` tokens, then time decoding until each has `steps` more tokens.
+
+    A "step" is one token for every sequence; with decode_steps_per_call > 1 one engine call makes several.
+    """
     from jaxinfer import SamplingParams
 
     engine = llm.engine
     rng = np.random.default_rng(0)
+    params = SamplingParams(max_tokens=2 * steps + 8, ignore_eos=True, temperature=0.0)
     for _ in range(batch):
-        engine.add_request(list(rng.integers(0, 1000, ctx)), SamplingParams(max_tokens=steps + 8, ignore_eos=True,
-                                                                            temperature=0.0))
+        engine.add_request(list(rng.integers(0, 1000, ctx)), params)
     while any(len(s.seqs[0].token_ids) == 0 for s in engine.requests.values()):
         engine.step()
+    start_tokens, calls = _generated(engine), 0
     t = time.perf_counter()
-    for _ in range(steps):
+    while _generated(engine) - start_tokens < steps * batch:
         engine.step()
-    step_s = (time.perf_counter() - t) / steps
+        calls += 1
+    elapsed = time.perf_counter() - t
+    step_s = elapsed / ((_generated(engine) - start_tokens) / batch)
     while engine.has_unfinished():
         engine.step()
     cfg = llm.model_config
     weight_bytes = sum(x.nbytes for x in jax.tree.leaves(llm.weights))
     kv_bytes = batch * (ctx + steps // 2) * 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_size * 2
-    return {"step_ms": step_s * 1e3, "tok_s": batch / step_s, "mbu": (weight_bytes + kv_bytes) / step_s / copy_bw}
+    return {"step_ms": step_s * 1e3, "tok_s": batch / step_s, "engine_calls": calls,
+            "mbu": (weight_bytes + kv_bytes) / step_s / copy_bw}
 
 
 def prefill_mfu(llm: Any, tokens: int, rate: float) -> dict[str, float]:
@@ -105,6 +117,7 @@ def main() -> None:
     parser.add_argument("--ctx", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 64])
+    parser.add_argument("--decode-steps-per-call", type=int, default=1)
     parser.add_argument("--prefill-tokens", type=int, default=4096)
     parser.add_argument("--copy-gib", type=float, default=4.0)
     parser.add_argument("--matmul-n", type=int, default=8192)
@@ -112,21 +125,29 @@ def main() -> None:
     args = parser.parse_args()
     result: dict[str, Any] = {"device": jax.devices()[0].device_kind, "model": args.model, "command": " ".join(
         ["python3 scripts/bench.py", f"--model {args.model}", f"--ctx {args.ctx}", f"--steps {args.steps}", f"--prefill-tokens {args.prefill_tokens}",
-         "--batches " + " ".join(map(str, args.batches))])}
+         "--batches " + " ".join(map(str, args.batches)), f"--decode-steps-per-call {args.decode_steps_per_call}"])}
     print("measuring ceilings", flush=True)
     result["copy_bw_gbs"] = copy_bandwidth(args.copy_gib) / 1e9
     result["matmul_tflops"] = matmul_rate(args.matmul_n) / 1e12
     for batch in args.batches:
-        llm, warm = build(args.model, batch, args.ctx + args.steps + 16, 512)
+        llm, warm = build(args.model, batch, args.ctx + args.steps + 16, 512,
+                          decode_steps=args.decode_steps_per_call)
         result[f"warmup_s_batch{batch}"] = warm
         result[f"decode_batch{batch}"] = decode_mbu(llm, batch, args.ctx, args.steps, result["copy_bw_gbs"] * 1e9)
         result[f"recompiles_after_warmup_batch{batch}"] = llm.engine_stats()["num_compiles_after_warmup"]
         print(json.dumps({k: v for k, v in result.items() if str(batch) in k}), flush=True)
         del llm
     t = args.prefill_tokens
+    if t <= 0:
+        _write(result, args.out)
+        return
     llm, _ = build(args.model, 1, t + 16, t, warmup=False)  # only the top bucket is used: compile it alone
     result[f"prefill_{t}"] = prefill_mfu(llm, t, result["matmul_tflops"] * 1e12)
-    with open(args.out, "w") as f:
+    _write(result, args.out)
+
+
+def _write(result: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
         json.dump(result, f, indent=1)
     print(json.dumps(result, indent=1))
 
