@@ -129,6 +129,7 @@ def main() -> None:
     print("measuring ceilings", flush=True)
     result["copy_bw_gbs"] = copy_bandwidth(args.copy_gib) / 1e9
     result["matmul_tflops"] = matmul_rate(args.matmul_n) / 1e12
+    print(json.dumps({k: result[k] for k in ("device", "copy_bw_gbs", "matmul_tflops")}), flush=True)
     for batch in args.batches:
         llm, warm = build(args.model, batch, args.ctx + args.steps + 16, 512,
                           decode_steps=args.decode_steps_per_call)
