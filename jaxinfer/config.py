@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-import math
 import types
 import typing
 from pathlib import Path
@@ -246,12 +245,12 @@ class SamplingParams(_FromDict):
             object.__setattr__(self, "stop", (self.stop,))
         if self.max_tokens < 1:
             raise ConfigError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}.")
-        if math.isnan(self.temperature) or self.temperature < 0:
-            raise ConfigError(f"SamplingParams.temperature must be >= 0, got {self.temperature}.")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ConfigError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}.")
-        if self.top_k < -1 or self.top_k == 0:
-            raise ConfigError(f"SamplingParams.top_k must be -1 (off) or >= 1, got {self.top_k}.")
+        from jaxinfer.engine.sampling import check_knobs  # the one definition of the knobs' ranges
+
+        try:
+            check_knobs(self)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
         if self.n < 1:
             raise ConfigError(f"SamplingParams.n must be >= 1, got {self.n}.")
 

@@ -15,13 +15,16 @@ import numpy as np
 from jaxinfer.engine.runner import StepBatch
 from jaxinfer.models.common import AttentionMetadata
 
-MIN_TOKEN_BUCKET = 16
-MIN_SEQ_BUCKET = 4
+MIN_TOKEN_BUCKET = 16  # below this, padding costs less than another compiled shape
+
+
+def pow2_ceil(n: int) -> int:
+    return 1 << max(n - 1, 0).bit_length()
 
 
 def bucket(n: int, floor: int, cap: int | None = None) -> int:
     """Smallest power of two >= max(n, floor), clipped to `cap` (itself a valid bucket)."""
-    b = max(floor, 1 << max(n - 1, 0).bit_length())
+    b = max(floor, pow2_ceil(n))
     return min(b, cap) if cap is not None else b
 
 

@@ -28,7 +28,7 @@ import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingParams
-from jaxinfer.engine.batcher import BatchShape, SeqChunk, bucket, buckets_up_to, pack
+from jaxinfer.engine.batcher import MIN_TOKEN_BUCKET, BatchShape, SeqChunk, bucket, buckets_up_to, pack, pow2_ceil
 from jaxinfer.engine.detokenize import IncrementalDetokenizer
 from jaxinfer.engine.request import RequestState, SeqOutput
 from jaxinfer.engine.runner import DecodeInputs, ModelRunner, SampleInputs, StepOutput
@@ -48,13 +48,8 @@ from jaxinfer.engine.sequence import FinishReason, SeqKey, SequenceGroup
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.sharding import replicated
 
-MIN_TOKEN_BUCKET = 16
 DEFAULT_MAX_MODEL_LEN = 4096  # when the model allows more; the page table width scales with it
 MAX_N = 16
-
-
-def _pow2(n: int) -> int:
-    return 1 << max(n - 1, 0).bit_length()
 
 
 def _uses_penalties(p: SamplingParams) -> bool:
@@ -110,7 +105,7 @@ class Engine:
             max_model_len=self.max_model_len,
             enable_prefix_caching=enable_prefix_caching,
         )
-        self.token_buckets = buckets_up_to(_pow2(engine_cfg.max_num_batched_tokens), MIN_TOKEN_BUCKET)
+        self.token_buckets = buckets_up_to(pow2_ceil(engine_cfg.max_num_batched_tokens), MIN_TOKEN_BUCKET)
         self.pages_per_seq = -(-self.max_model_len // self.page_size)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer else frozenset({cfg.eos_token_id} - {None})
         self.slots = PenaltySlots(engine_cfg.max_num_seqs)
@@ -128,7 +123,7 @@ class Engine:
 
     def batch_shape(self, num_tokens: int) -> BatchShape:
         tokens = bucket(num_tokens, MIN_TOKEN_BUCKET, self.token_buckets[-1])
-        return BatchShape(tokens=tokens, seqs=min(tokens, _pow2(self.max_num_seqs)), pages_per_seq=self.pages_per_seq)
+        return BatchShape(tokens=tokens, seqs=min(tokens, pow2_ceil(self.max_num_seqs)), pages_per_seq=self.pages_per_seq)
 
     def warmup(self) -> None:
         """Compile every bucket now, so serving never compiles (checked by engine_stats)."""
@@ -242,7 +237,7 @@ class Engine:
 
     def decode_shape(self) -> BatchShape:
         """The one bucket of multi-step calls: one token per row (T == S)."""
-        rows = _pow2(self.max_num_seqs)
+        rows = pow2_ceil(self.max_num_seqs)
         return BatchShape(tokens=rows, seqs=rows, pages_per_seq=self.pages_per_seq)
 
     def _step_decodes(self, plan: StepPlan, num_iterations: int) -> dict[str, RequestState]:

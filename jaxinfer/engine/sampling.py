@@ -465,8 +465,8 @@ def _integer(v: Any) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)
 
 
-def _check_knobs(p: Any) -> None:
-    """The per-token knobs; each test is written so that NaN fails it."""
+def check_knobs(p: Any) -> None:
+    """The per-token knobs, which need no model knowledge; each test is written so that NaN fails it."""
     _check_range(p, "temperature", 1.0, lambda v: _finite(v) and v >= 0, "a finite number >= 0")
     _check_range(p, "top_p", 1.0, lambda v: _finite(v) and 0 < v <= 1, "in (0, 1]")
     _check_range(p, "top_k", -1, lambda v: _integer(v) and (v == -1 or v >= 1), "-1 (off) or >= 1")
@@ -512,6 +512,6 @@ def validate_sampling_params(p: Any, vocab_size: int, max_logprobs: int, max_n: 
                              max_stop_ids: int = MAX_STOP_IDS) -> None:
     """Refuse a request the sampler cannot serve exactly: ValueError with one sentence naming the field and
     the limit. Call at admission so the bad request is refused and the rest keep running."""
-    _check_knobs(p)
+    check_knobs(p)
     _check_counts(p, max_logprobs, max_n)
     _check_token_ids(p, vocab_size, eos_ids, max_logit_bias, max_stop_ids)
