@@ -144,16 +144,9 @@ def _generate_all(job: BatchJob, llm: Any, todo: list[dict[str, Any]], writer: R
             in_flight[rid] = record[job.input.id_field]
         for out in engine.step():
             if out.finished and out.request_id in in_flight:
-                state_itl = _itl(out)
                 writer.write(output_record(in_flight.pop(out.request_id), out))
-                stats.add(out, state_itl)
+                stats.add(out, out.inter_token_latencies)
                 bar.update(1)
                 bar.set_postfix(tok_s=f"{stats.output_tokens / max(time.monotonic() - stats.start, 1e-9):.1f}")
     bar.close()
 
-
-def _itl(out: RequestOutput) -> list[float]:
-    """Inter-token latencies are summarized per request as mean and max; rebuild a sample for percentiles."""
-    m = out.metrics or {}
-    n = len(out.outputs[0].token_ids) - 1
-    return [m["mean_itl_s"]] * n if "mean_itl_s" in m and n > 0 else []

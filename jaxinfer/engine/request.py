@@ -150,6 +150,7 @@ class RequestState:
             finished=self.finished,
             prompt_logprobs=self.prompt_logprobs,
             metrics=self.metrics(),
+            inter_token_latencies=self.inter_token_latencies(),
         )
 
     def metrics(self) -> dict[str, float]:

@@ -75,6 +75,8 @@ def test_sigkill_and_restart_equals_clean_run(tmp_path: Path, tiny_model: Path) 
     assert resumed.wait(timeout=300) == 0, log
     summary = json.loads((tmp_path / "killed.summary.json").read_text())
     assert summary["requests_skipped_as_done"] >= 3 and summary["requests_completed"] == 24 - summary["requests_skipped_as_done"]
+    assert 0 < summary["itl_p50_s"] <= summary["itl_p99_s"] and 0 < summary["ttft_p50_s"] <= summary["ttft_p99_s"]
+    assert summary["num_compiles_after_warmup"] == 0 and summary["output_tokens_per_s"] > 0
     a, b = read_output(tmp_path / "clean.jsonl"), read_output(out)
     assert sorted(a) == sorted(b) == [f"r{i:02d}" for i in range(24)]
     for rid in a:
