@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
+from jaxinfer.checkpoint.assemble import CheckpointError
 from jaxinfer.config import ModelConfig, RopeScaling
 
 
@@ -108,3 +110,17 @@ def write_kv(
 def gather_last_tokens(hidden: jax.Array, logits_indices: jax.Array) -> jax.Array:
     """Rows of the final hidden state that produce logits: [T, D] -> [S, D] (only those, not all T)."""
     return jnp.take(hidden, logits_indices, axis=0)
+
+
+def gguf_arch_key(meta: dict[str, Any]) -> Callable[..., Any]:
+    """`key(name, default=None)`: the architecture-prefixed GGUF metadata value (`llama.block_count`, ...);
+    a missing key without a default is a CheckpointError naming it."""
+    arch = meta["general.architecture"]
+
+    def key(name: str, default: Any = None) -> Any:
+        value = meta.get(f"{arch}.{name}", default)
+        if value is None:
+            raise CheckpointError(f"GGUF metadata lacks {arch}.{name}, which the {arch} architecture needs.")
+        return value
+
+    return key

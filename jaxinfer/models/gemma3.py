@@ -41,6 +41,7 @@ from jaxinfer.checkpoint.assemble import CheckpointError, TensorRule, Transform
 from jaxinfer.config import ConfigError, ModelConfig, RopeScaling
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.models.common import (
+    gguf_arch_key,
     AttentionFn,
     AttentionMetadata,
     apply_rope,
@@ -289,13 +290,7 @@ def llama_cpp_query_pre_attn_scalar(num_layers: int, hidden_size: int, num_heads
 def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
     """ModelConfig from llama.cpp metadata (`gemma3.*`); what the metadata omits is the published value."""
     arch = meta["general.architecture"]
-
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise CheckpointError(f"GGUF metadata lacks {arch}.{name}, which the {arch} architecture needs.")
-        return value
-
+    key = gguf_arch_key(meta)
     n_heads = int(key("attention.head_count"))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
     scaling = meta.get(f"{arch}.rope.scaling.type", "none")

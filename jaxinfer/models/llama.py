@@ -17,6 +17,7 @@ from jaxinfer.checkpoint.assemble import CheckpointError, TensorRule, Transform
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.models.common import (
+    gguf_arch_key,
     AttentionFn,
     AttentionMetadata,
     apply_rope,
@@ -160,13 +161,7 @@ def checkpoint_rules() -> list[TensorRule]:
 def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
     """ModelConfig from llama.cpp metadata keys (`llama.*`)."""
     arch = meta["general.architecture"]
-
-    def key(name: str, default: Any = None) -> Any:
-        value = meta.get(f"{arch}.{name}", default)
-        if value is None:
-            raise CheckpointError(f"GGUF metadata lacks {arch}.{name}, which the {arch} architecture needs.")
-        return value
-
+    key = gguf_arch_key(meta)
     n_heads = int(key("attention.head_count"))
     hidden = int(key("embedding_length"))
     vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
