@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib.util
 import math
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,22 +23,12 @@ from jaxinfer.engine.engine import MAX_N, Engine
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.scheduler import StepPlan
 from jaxinfer.outputs import FinishReason, RequestOutput
+import model_helpers
 
 
-def _load_llama_test_helpers():
-    # The tiny config, runner builder and dense float64 reference live in the model tests; tests/ is not a
-    # package, so load that file by path instead of duplicating them.
-    path = Path(__file__).resolve().parents[1] / "models" / "test_llama.py"
-    spec = importlib.util.spec_from_file_location("_llama_test_helpers", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_LLAMA = _load_llama_test_helpers()
 # Untied: with the tied tiny embedding the model echoes its input token with near-certainty, so greedy output
 # would barely depend on the KV cache and seeds would not matter. The untied head gives logits of std ~1.
-CFG = _LLAMA.tiny_config(tie_word_embeddings=False)
+CFG = model_helpers.tiny_config(tie_word_embeddings=False)
 EOS = CFG.eos_token_id
 MAX_LEN = 128
 MAX_SEQS = 4
@@ -52,7 +40,7 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
 @functools.cache
 def shared_runner(page_size: int) -> ModelRunner:
     """One runner (weights seed 0, so the same weights for every page size) per page size."""
-    return _LLAMA.build_runner(CFG, seed=0, num_pages=640 // page_size + 8, page_size=page_size)
+    return model_helpers.build_runner(CFG, seed=0, num_pages=640 // page_size + 8, page_size=page_size)
 
 
 def make_engine(
@@ -82,7 +70,7 @@ def reference_greedy(prompt: tuple[int, ...], max_tokens: int) -> list[int]:
     """Greedy tokens of the float64 dense model, recomputing the whole history for every token."""
     ids, out = list(prompt), []
     for _ in range(max_tokens):
-        token = int(np.argmax(_LLAMA.dense_reference_logits(shared_runner(16).weights, CFG, ids)[-1]))
+        token = int(np.argmax(model_helpers.dense_reference_logits(shared_runner(16).weights, CFG, ids)[-1]))
         out.append(token)
         ids.append(token)
     return out
@@ -470,8 +458,8 @@ def text_engine() -> Engine:
     from jaxinfer.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(bundled_checkpoint("smollm2-135m-instruct"))
-    cfg = _LLAMA.tiny_config(vocab_size=tokenizer.vocab_size, tie_word_embeddings=False)
-    runner = _LLAMA.build_runner(cfg, seed=0, num_pages=48, page_size=16)
+    cfg = model_helpers.tiny_config(vocab_size=tokenizer.vocab_size, tie_word_embeddings=False)
+    runner = model_helpers.build_runner(cfg, seed=0, num_pages=48, page_size=16)
     return make_engine(16, tokenizer=tokenizer, runner=runner)
 
 

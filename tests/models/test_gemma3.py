@@ -14,15 +14,16 @@ import numpy as np
 import pytest
 
 from jaxinfer.config import ConfigError, MeshConfig, ModelConfig, RopeScaling
-from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
-from jaxinfer.engine.runner import ModelRunner, make_attention_fn
-from jaxinfer.kv_cache import KVCache, allocate_kv_cache
+from jaxinfer.engine.runner import make_attention_fn
+from jaxinfer.kv_cache import KVCache
 from jaxinfer.models import GEMMA3, family_for_gguf, family_for_hf
 from jaxinfer.models.common import AttentionMetadata
 from jaxinfer.models.gemma3 import config_from_gguf, config_from_hf, gemma3_extras
-from jaxinfer.params import abstract_params, count_params, init_params
+from jaxinfer.params import abstract_params, count_params
 from jaxinfer.presets import load_preset
 from jaxinfer.sharding import make_mesh, tensor_parallel_rules
+from model_helpers import build_runner as shared_build_runner
+from model_helpers import rel_err, run_chunks
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -35,13 +36,8 @@ def tiny_config(**overrides) -> ModelConfig:
 
 
 def build_runner(cfg: ModelConfig, tp: int = 1, seed: int = 0, num_pages: int = 64, page_size: int = 4):
-    mesh = make_mesh(MeshConfig(tensor=tp))
-    rules = tensor_parallel_rules(cfg, tp)
-    weights = init_params(GEMMA3.param_specs(cfg, jnp.float32), jax.random.key(seed), mesh, rules)
-    weights = randomize_norms(weights, seed)
-    cache = allocate_kv_cache(cfg, num_pages, page_size, jnp.float32, mesh, rules)
-    return ModelRunner(GEMMA3, cfg, weights, cache, mesh, rules, attention_impl="reference")
-
+    return shared_build_runner(cfg, tp, seed, num_pages, page_size, family=GEMMA3,
+                               weights_hook=lambda w: randomize_norms(w, seed))
 
 def randomize_norms(weights, seed: int):
     """Random init leaves norms at identity (w = 0); perturb them so a wrong (1 + w) convention shows up."""
@@ -104,20 +100,6 @@ def dense_reference_logits(w, cfg: ModelConfig, ids: list[int]) -> np.ndarray:
     if ex.final_logit_softcap is not None:
         logits = ex.final_logit_softcap * np.tanh(logits / ex.final_logit_softcap)
     return logits
-
-
-def run_chunks(runner: ModelRunner, ids: list[int], chunk: int, pages: list[int]) -> np.ndarray:
-    """Feed `ids` in chunks of `chunk` tokens; logits of the last token of each chunk, stacked."""
-    shape = BatchShape(tokens=32, seqs=4, pages_per_seq=16)
-    out = []
-    for start in range(0, len(ids), chunk):
-        batch = pack([SeqChunk(ids[start : start + chunk], start, pages)], shape, runner.kv_cache.page_size)
-        out.append(np.asarray(runner.logits(runner.place(batch)))[0])
-    return np.stack(out)
-
-
-def rel_err(a: np.ndarray, b: np.ndarray) -> float:
-    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 @pytest.mark.parametrize(

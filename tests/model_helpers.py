@@ -1,0 +1,93 @@
+"""Helpers shared by the model and engine tests: tiny Llama configs, runners over random weights, chunked
+feeding, and an independent dense float64 NumPy Llama to compare the paged forward against."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.config import MeshConfig, ModelConfig
+from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.kv_cache import allocate_kv_cache
+from jaxinfer.models import LLAMA, ModelFamily
+from jaxinfer.models.common import rope_inv_freq
+from jaxinfer.params import init_params
+from jaxinfer.presets import load_preset
+from jaxinfer.sharding import make_mesh, tensor_parallel_rules
+
+
+def tiny_config(**overrides) -> ModelConfig:
+    """SmolLM2-135M's preset shrunk to test size (same family switches: tied, GQA, rope theta)."""
+    base = load_preset("smollm2-135m")
+    small = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_dim=16)
+    return base.replace(**{**small, **overrides})
+
+
+def build_runner(cfg: ModelConfig, tp: int = 1, seed: int = 0, num_pages: int = 64, page_size: int = 4,
+                 family: ModelFamily = LLAMA, weights_hook: Callable[[Any], Any] | None = None) -> ModelRunner:
+    """A reference-attention runner over random weights; `weights_hook` may perturb them (e.g. norms)."""
+    mesh = make_mesh(MeshConfig(tensor=tp))
+    rules = tensor_parallel_rules(cfg, tp)
+    weights = init_params(family.param_specs(cfg, jnp.float32), jax.random.key(seed), mesh, rules)
+    if weights_hook is not None:
+        weights = weights_hook(weights)
+    cache = allocate_kv_cache(cfg, num_pages, page_size, jnp.float32, mesh, rules)
+    return ModelRunner(family, cfg, weights, cache, mesh, rules, attention_impl="reference")
+
+
+def dense_reference_logits(w, cfg: ModelConfig, ids: list[int]) -> np.ndarray:
+    """Plain causal transformer in float64 NumPy over one full sequence: logits [T, V]."""
+    f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731
+    inv_freq = f64(rope_inv_freq(cfg.head_size, cfg.rope_theta, cfg))
+    t = len(ids)
+    ang = np.arange(t)[:, None] * inv_freq[None, :]  # [T, H/2]
+    cos, sin = np.cos(ang)[:, None, :], np.sin(ang)[:, None, :]
+
+    def rope(x):  # [T, heads, H]
+        x1, x2 = np.split(x, 2, axis=-1)
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    def norm(x, g):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + cfg.rms_norm_eps) * f64(g)
+
+    x = f64(w.embed)[ids]
+    g = cfg.q_per_kv
+    mask = np.tril(np.ones((t, t), bool))
+    for layer in w.layers:
+        h = norm(x, layer.attn_norm)
+        q = rope(np.einsum("td,dnh->tnh", h, f64(layer.wq)))
+        k = np.repeat(rope(np.einsum("td,dkh->tkh", h, f64(layer.wk))), g, axis=1)  # [T, N, H]
+        v = np.repeat(np.einsum("td,dkh->tkh", h, f64(layer.wv)), g, axis=1)
+        s = np.einsum("qnh,knh->nqk", q, k) / math.sqrt(cfg.head_size)
+        s = np.where(mask[None], s, -np.inf)
+        p = np.exp(s - s.max(-1, keepdims=True))
+        p /= p.sum(-1, keepdims=True)
+        x = x + np.einsum("tnh,nhd->td", np.einsum("nqk,knh->qnh", p, v), f64(layer.wo))
+        h = norm(x, layer.mlp_norm)
+        gate, up = h @ f64(layer.w_gate), h @ f64(layer.w_up)
+        x = x + (gate / (1 + np.exp(-gate)) * up) @ f64(layer.w_down)
+    x = norm(x, w.final_norm)
+    head = f64(w.embed).T if w.lm_head is None else f64(w.lm_head)
+    return x @ head
+
+
+def run_chunks(runner: ModelRunner, ids: list[int], chunk: int, pages: list[int]) -> np.ndarray:
+    """Feed `ids` in chunks of `chunk` tokens; logits of the last token of each chunk, stacked."""
+    shape = BatchShape(tokens=32, seqs=4, pages_per_seq=16)
+    out = []
+    for start in range(0, len(ids), chunk):
+        batch = pack([SeqChunk(ids[start : start + chunk], start, pages)], shape, runner.kv_cache.page_size)
+        out.append(np.asarray(runner.logits(runner.place(batch)))[0])
+    return np.stack(out)
+
+
+def rel_err(a: np.ndarray, b: np.ndarray) -> float:
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
