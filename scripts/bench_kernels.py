@@ -16,14 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import statistics
 import time
 import traceback
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from pallas_kernels.quantized_matmul import quantize_weights
 from pallas_kernels.quantized_matmul import gpu as qmm_gpu

@@ -44,7 +44,7 @@ def test_logits_of_first_decode_steps_within_1e4(llm: LLM, smollm2_golden: dict)
         ids = list(case["prompt_ids"])
         steps = case["steps"]
         pages = list(range(80, 84))  # pages above what the engine hands out in this module's tests
-        start = 0
+        start, prev_argmax = 0, None
         for step in steps:
             n = step["input_len"]
             while len(ids) < n:  # the golden's inputs grow by its greedy argmax, one token per step
