@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxinfer.checkpoint.assemble import CheckpointError, TensorRule, Transform
-from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.config import ConfigError, ModelConfig, RopeScaling
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.models.common import (
     gguf_arch_key,
@@ -66,8 +66,20 @@ def layer_specs(cfg: ModelConfig, dtype: jnp.dtype) -> LlamaLayer:
     )
 
 
+_NOT_LLAMA_FIELDS = ("sliding_window", "sliding_window_pattern", "rope_local_theta", "query_pre_attn_scalar",
+                     "attn_logit_softcap", "final_logit_softcap")
+
+
+def check_config(cfg: ModelConfig) -> None:
+    """Refuse settings this family would silently ignore (e.g. a sliding window copied from another preset)."""
+    for name in _NOT_LLAMA_FIELDS:
+        if getattr(cfg, name) is not None:
+            raise ConfigError(f"ModelConfig.{name} is set, but the Llama family does not implement it; remove it.")
+
+
 def param_specs(cfg: ModelConfig, dtype: jnp.dtype) -> LlamaWeights:
     """The single declaration of every Llama weight: shape, dtype, logical axes, initializer."""
+    check_config(cfg)
     d, v = cfg.hidden_size, cfg.vocab_size
     return LlamaWeights(
         # The embedding is read by row lookup, so its scale is 1 rather than 1/sqrt(V).

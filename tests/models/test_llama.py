@@ -109,3 +109,8 @@ def test_full_size_presets_trace(name: str, params_b: float) -> None:
     assert count_params(LLAMA.param_specs(cfg, jnp.bfloat16)) / 1e9 == pytest.approx(params_b, rel=0.01)
     hidden, cache = _abstract_forward(cfg)
     assert hidden.shape == (256, cfg.hidden_size) and len(cache.k) == cfg.num_layers
+
+
+def test_fields_the_llama_family_would_ignore_are_refused() -> None:
+    with pytest.raises(ConfigError, match="ModelConfig.sliding_window is set, but the Llama family does not implement"):
+        LLAMA.param_specs(tiny_config(sliding_window=128), jnp.float32)
