@@ -317,7 +317,9 @@ class Engine:
         batch = pack(chunks, shape, self.page_size)
         inputs = self._sample_inputs(shape, entries, copies, slots)
         self.penalties, out = self.runner.step(self.penalties, batch, inputs)
-        return jax.device_get(out)
+        # Prompt logprobs are [T, K] per step: copy them to the host only in steps that asked for them.
+        prompt = jax.device_get(out.prompt) if inputs.want_prompt_logprobs else None
+        return StepOutput(jax.device_get(out.sampled), prompt)
 
     def _sample_inputs(
         self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int]

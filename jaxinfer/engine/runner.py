@@ -65,7 +65,7 @@ class SampleInputs:
 
 class StepOutput(NamedTuple):
     sampled: SamplerOutput  # [S] tokens and logprobs
-    prompt: PromptLogprobs  # [T] prompt logprobs (garbage unless requested)
+    prompt: PromptLogprobs | None  # [T] prompt logprobs; on the host only in steps that asked for them
 
 
 @struct.dataclass
