@@ -33,7 +33,7 @@ class RequestOutput:
     finished: bool = False
     prompt_logprobs: list[dict[int, float] | None] | None = None
     metrics: dict[str, float] | None = None
-    inter_token_latencies: list[float] = dataclasses.field(default_factory=list)  # seconds, sequence 0
+    inter_token_latencies: list[float] = dataclasses.field(default_factory=list)  # seconds, seq 0; set when finished
 
     @property
     def text(self) -> str:

@@ -50,7 +50,9 @@ class RequestState:
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     scheduled_time: float | None = None
     first_token_time: float | None = None
-    token_times: list[float] = dataclasses.field(default_factory=list)
+    token_times: list[float] = dataclasses.field(default_factory=list)  # sequence 0's token arrival times
+    itl_sum: float = 0.0  # running inter-token latency stats, so per-step metrics stay O(1)
+    itl_max: float = 0.0
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_logprobs_done: bool = False  # set once; a recompute after preemption does not redo them
 
@@ -64,6 +66,9 @@ class RequestState:
         if self.first_token_time is None:
             self.first_token_time = now
         if index == 0:
+            if self.token_times:
+                gap = now - self.token_times[-1]
+                self.itl_sum, self.itl_max = self.itl_sum + gap, max(self.itl_max, gap)
             self.token_times.append(now)
         out = self.seqs[index]
         out.token_ids.append(token)
@@ -150,7 +155,8 @@ class RequestState:
             finished=self.finished,
             prompt_logprobs=self.prompt_logprobs,
             metrics=self.metrics(),
-            inter_token_latencies=self.inter_token_latencies(),
+            # The full list only once: building it every step would make streaming quadratic in length.
+            inter_token_latencies=self.inter_token_latencies() if self.finished else [],
         )
 
     def metrics(self) -> dict[str, float]:
@@ -159,10 +165,9 @@ class RequestState:
             m["queue_time_s"] = self.scheduled_time - self.arrival_time
         if self.first_token_time is not None:
             m["ttft_s"] = self.first_token_time - self.arrival_time
-        itl = self.inter_token_latencies()
-        if itl:
-            m["mean_itl_s"] = sum(itl) / len(itl)
-            m["max_itl_s"] = max(itl)
+        if len(self.token_times) > 1:
+            m["mean_itl_s"] = self.itl_sum / (len(self.token_times) - 1)
+            m["max_itl_s"] = self.itl_max
         return m
 
     def inter_token_latencies(self) -> list[float]:
