@@ -6,9 +6,11 @@ per-sequence page table. The new tokens of sequence s sit at the end of its kv r
 them has absolute position `kv_lens[s] - q_len_s + i` and sees kv positions `0 .. that position`
 (only the last `sliding_window` of those when a window is given).
 
-Memory: the reference walks the sequences with a `fori_loop` and, inside one sequence, walks its
-query tokens in chunks of `_Q_CHUNK`. Only one sequence's pages (`[M*R, K, H]`) and one chunk's
-logits (`[_Q_CHUNK, K, G, M*R]`) are live at a time, never a per-token gather of the cache.
+Memory and work: the reference walks the sequences with a `fori_loop`, inside one sequence its query
+tokens in chunks of `_Q_CHUNK`, and for each chunk the sequence's kv in blocks of `_KV_BLOCK_PAGES`
+pages with an online (flash-style) softmax, stopping at the last block below kv_len. So only one block
+of pages and one chunk's block of logits are live at a time, and the work follows the real lengths,
+not the page table's width.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import jax.numpy as jnp
 # Query tokens handled at once inside one sequence. Small enough that the logits of a chunk stay
 # far below the cache itself, large enough that prefill does not loop per token.
 _Q_CHUNK = 64
+# Pages per kv block of the online softmax; a sequence costs ceil(kv_len / (block * R)) iterations.
+_KV_BLOCK_PAGES = 8
 _MASK_VALUE = -1e30
 
 
@@ -49,32 +53,47 @@ def attention_mask(q_pos: jax.Array, kv_pos: jax.Array, kv_len: jax.Array,
     return mask
 
 
-def _gather_sequence_kv(pages: jax.Array, page_row: jax.Array, scale: float | None) -> jax.Array:
-    """One sequence's cache as a contiguous fp32 block: [M] page ids -> [M*R, K, H]."""
-    seq_pages = dequantize_pages(pages[page_row], scale)  # [M, R, K, H]
-    m, r, k, h = seq_pages.shape
-    return seq_pages.reshape(m * r, k, h)  # [M*R, K, H]
+def _kv_block(pages: jax.Array, block_row: jax.Array, scale: float | None) -> jax.Array:
+    """One block of a sequence's cache as fp32: [B] page ids -> [B*R, K, H]."""
+    block = dequantize_pages(pages[block_row], scale)  # [B, R, K, H]
+    b, r, k, h = block.shape
+    return block.reshape(b * r, k, h)  # [B*R, K, H]
 
 
-def _attend_chunk(q_chunk, k_seq, v_seq, q_pos, row_valid, kv_len, *, sm_scale,
-                  sliding_window, soft_cap):
-    """Attention of one chunk of query rows over one sequence's whole cache.
+def _attend_chunk(q_chunk, k_pages, v_pages, page_row, q_pos, row_valid, kv_len, *, sm_scale,
+                  sliding_window, soft_cap, k_scale, v_scale):
+    """Attention of one chunk of query rows over one sequence's cache, block by block.
 
-    q_chunk [C, N, H], k_seq/v_seq [L, K, H] fp32, q_pos [C], row_valid [C] -> [C, N, H] fp32.
-    Rows that are not valid (other sequences, padding) come out as zeros.
+    q_chunk [C, N, H], page_row [M'] (padded to whole blocks), q_pos [C], row_valid [C] -> [C, N, H] fp32.
+    The loop runs only over the blocks below kv_len (a dynamic trip count), with an online softmax, so the
+    cost follows the sequence's length rather than the page table's width. Invalid rows come out as zeros.
     """
     c, n, h = q_chunk.shape
-    kv_heads = k_seq.shape[1]
+    kv_heads, page_size = k_pages.shape[2], k_pages.shape[1]
+    block_pages = _KV_BLOCK_PAGES
+    block = block_pages * page_size
     q4 = q_chunk.astype(jnp.float32).reshape(c, kv_heads, n // kv_heads, h)  # [C, K, G, H]
-    logits = jnp.einsum("ckgh,lkh->ckgl", q4, k_seq) * sm_scale  # [C, K, G, L]
-    logits = soft_cap_logits(logits, soft_cap)
-    kv_pos = jnp.arange(k_seq.shape[0], dtype=jnp.int32)
-    mask = attention_mask(q_pos, kv_pos, kv_len, sliding_window) & row_valid[:, None]  # [C, L]
-    logits = jnp.where(mask[:, None, None, :], logits, _MASK_VALUE)
-    probs = jnp.exp(logits - logits.max(axis=-1, keepdims=True))  # [C, K, G, L]
-    probs = jnp.where(mask[:, None, None, :], probs, 0.0)
-    denom = jnp.maximum(probs.sum(axis=-1, keepdims=True), 1e-30)  # [C, K, G, 1]
-    out = jnp.einsum("ckgl,lkh->ckgh", probs / denom, v_seq)  # [C, K, G, H]
+
+    def body(b, carry):
+        m, l, acc = carry  # [C, K, G], [C, K, G], [C, K, G, H]
+        block_row = jax.lax.dynamic_slice_in_dim(page_row, b * block_pages, block_pages)  # [B]
+        k_blk = _kv_block(k_pages, block_row, k_scale)  # [L, K, H]
+        v_blk = _kv_block(v_pages, block_row, v_scale)  # [L, K, H]
+        logits = soft_cap_logits(jnp.einsum("ckgh,lkh->ckgl", q4, k_blk) * sm_scale, soft_cap)  # [C, K, G, L]
+        kv_pos = b * block + jnp.arange(block, dtype=jnp.int32)  # [L]
+        mask = (attention_mask(q_pos, kv_pos, kv_len, sliding_window) & row_valid[:, None])[:, None, None, :]
+        logits = jnp.where(mask, logits, _MASK_VALUE)
+        m_new = jnp.maximum(m, logits.max(axis=-1))  # [C, K, G]
+        probs = jnp.where(mask, jnp.exp(logits - m_new[..., None]), 0.0)  # [C, K, G, L]
+        alpha = jnp.exp(m - m_new)  # [C, K, G] rescales what earlier blocks accumulated
+        acc = acc * alpha[..., None] + jnp.einsum("ckgl,lkh->ckgh", probs, v_blk)  # [C, K, G, H]
+        return m_new, l * alpha + probs.sum(axis=-1), acc
+
+    stats = jnp.full((c, kv_heads, n // kv_heads), _MASK_VALUE, jnp.float32)  # [C, K, G]
+    init = (stats, jnp.zeros_like(stats), jnp.zeros((c, kv_heads, n // kv_heads, h), jnp.float32))
+    num_blocks = (kv_len + block - 1) // block
+    _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # [C, K, G, H]
     return out.reshape(c, n, h)  # [C, N, H]
 
 
@@ -83,8 +102,7 @@ def _attend_sequence(s, out, q, k_pages, v_pages, kv_lens, page_indices, cu_q_le
     """Writes the outputs of sequence s into out [T, N, H] (fp32), chunk by chunk."""
     num_tokens = q.shape[0]
     chunk = min(_Q_CHUNK, num_tokens)
-    k_seq = _gather_sequence_kv(k_pages, page_indices[s], k_scale)  # [M*R, K, H]
-    v_seq = _gather_sequence_kv(v_pages, page_indices[s], v_scale)  # [M*R, K, H]
+    page_row = page_indices[s]  # [M'] already padded to whole kv blocks
     q_start, q_end, kv_len = cu_q_lens[s], cu_q_lens[s + 1], kv_lens[s]
     first_pos = kv_len - (q_end - q_start)
 
@@ -95,14 +113,21 @@ def _attend_sequence(s, out, q, k_pages, v_pages, kv_lens, page_indices, cu_q_le
         rows = start + jnp.arange(chunk, dtype=jnp.int32)  # [C]
         row_valid = (rows >= q_start + i * chunk) & (rows < q_end)
         q_chunk = jax.lax.dynamic_slice_in_dim(q, start, chunk)  # [C, N, H]
-        o = _attend_chunk(q_chunk, k_seq, v_seq, first_pos + rows - q_start, row_valid, kv_len,
-                          sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap)
+        o = _attend_chunk(q_chunk, k_pages, v_pages, page_row, first_pos + rows - q_start, row_valid, kv_len,
+                          sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
+                          k_scale=k_scale, v_scale=v_scale)
         old = jax.lax.dynamic_slice_in_dim(out, start, chunk)  # [C, N, H]
         new = jnp.where(row_valid[:, None, None], o, old)
         return jax.lax.dynamic_update_slice_in_dim(out, new, start, 0)
 
     num_chunks = (q_end - q_start + chunk - 1) // chunk
     return jax.lax.fori_loop(0, num_chunks, chunk_body, out)
+
+
+def _pad_to_blocks(page_indices: jax.Array) -> jax.Array:
+    """[S, M] -> [S, M'] with M' a multiple of the kv block, padded with the trash page (masked anyway)."""
+    extra = -page_indices.shape[1] % _KV_BLOCK_PAGES
+    return jnp.pad(page_indices, ((0, 0), (0, extra))) if extra else page_indices
 
 
 def ragged_paged_attention(
@@ -121,6 +146,7 @@ def ragged_paged_attention(
     v_scale: float | None = None,
 ) -> jax.Array:
     """Reference ragged paged attention; returns [T, N, H] in q.dtype (zeros on padding rows)."""
+    page_indices = _pad_to_blocks(page_indices)  # [S, M']
     body = lambda s, out: _attend_sequence(
         s, out, q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
