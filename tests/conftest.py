@@ -52,3 +52,19 @@ def smollm2_golden() -> dict:
 @pytest.fixture(scope="session")
 def gemma3_golden() -> dict:
     return load_golden("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def smollm2(smollm2_path: Path):
+    """SmolLM2's tokenizer, built from its GGUF once per session (tokenizer and detokenizer tests share it)."""
+    from jaxinfer.tokenizer import load_tokenizer
+
+    return load_tokenizer(smollm2_path)
+
+
+@pytest.fixture(scope="session")
+def gemma3(gemma3_path: Path):
+    """Gemma 3's SentencePiece tokenizer, built from its GGUF once per session."""
+    from jaxinfer.tokenizer import load_tokenizer
+
+    return load_tokenizer(gemma3_path)

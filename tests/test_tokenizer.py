@@ -32,16 +32,6 @@ GOLDEN_FILES = {"smollm2": "smollm2-135m-instruct.json", "gemma3": "gemma3-270m.
 
 
 @pytest.fixture(scope="module")
-def smollm2(smollm2_path: Path) -> Tokenizer:
-    return load_tokenizer(smollm2_path)
-
-
-@pytest.fixture(scope="module")
-def gemma3(gemma3_path: Path) -> Tokenizer:
-    return load_tokenizer(gemma3_path)
-
-
-@pytest.fixture(scope="module")
 def tokenizers(smollm2: Tokenizer, gemma3: Tokenizer) -> dict[str, Tokenizer]:
     return {"smollm2": smollm2, "gemma3": gemma3}
 

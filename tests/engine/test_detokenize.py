@@ -6,25 +6,14 @@ from __future__ import annotations
 
 import random
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 import pytest
 
 from jaxinfer.engine.detokenize import IncrementalDetokenizer
-from jaxinfer.tokenizer import Tokenizer, load_tokenizer
+from jaxinfer.tokenizer import Tokenizer
 
 REPLACEMENT = "\ufffd"
-
-
-@pytest.fixture(scope="module")
-def smollm2(smollm2_path: Path) -> Tokenizer:
-    return load_tokenizer(smollm2_path)
-
-
-@pytest.fixture(scope="module")
-def gemma3(gemma3_path: Path) -> Tokenizer:
-    return load_tokenizer(gemma3_path)
 
 
 @pytest.fixture(scope="module")
