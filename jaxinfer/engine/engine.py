@@ -31,7 +31,7 @@ from jaxinfer.config import CacheConfig, EngineConfig, SamplingParams
 from jaxinfer.engine.batcher import MIN_TOKEN_BUCKET, BatchShape, SeqChunk, bucket, buckets_up_to, pack, pow2_ceil
 from jaxinfer.engine.detokenize import IncrementalDetokenizer
 from jaxinfer.engine.request import RequestState, SeqOutput
-from jaxinfer.engine.runner import DecodeInputs, ModelRunner, SampleInputs, StepOutput
+from jaxinfer.engine.runner import DecodeInputs, ModelRunner, SampleInputs, StepBatch, StepOutput
 from jaxinfer.engine.sampling import (
     MAX_LOGPROBS,
     MAX_STOP_IDS,
@@ -54,6 +54,26 @@ MAX_N = 16
 
 def _uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+class PhaseTimes:
+    """Wall seconds the engine loop spent per phase, summed over steps: a cheap always-on profile.
+
+    schedule: the scheduler's plan; prepare: packing the bucketed host arrays; device: dispatch until the
+    sampled tokens are on the host (the device's work plus the launch); apply: turning tokens into request
+    state, text and outputs. The loop is synchronous, so the four add up to the time spent in `step`.
+    """
+
+    PHASES = ("schedule", "prepare", "device", "apply")
+
+    def __init__(self) -> None:
+        self.seconds = dict.fromkeys(self.PHASES, 0.0)
+
+    def add(self, phase: str, since: float) -> float:
+        """Charge the time since `since` to `phase`; returns now, the start of the next phase."""
+        now = time.perf_counter()
+        self.seconds[phase] += now - since
+        return now
 
 
 class PenaltySlots:
@@ -89,9 +109,11 @@ class Engine:
         enable_prefix_caching: bool = True,
         use_tqdm: bool = True,
         decode_steps_per_call: int = 1,
+        compile_threads: int | None = None,
     ) -> None:
         self.runner, self.tokenizer, self.use_tqdm = runner, tokenizer, use_tqdm
         self.decode_steps_per_call = _at_least_one("decode_steps_per_call", decode_steps_per_call)
+        self.compile_threads = compile_threads  # None: half the host's cores
         cfg = runner.cfg
         self.vocab_size = cfg.vocab_size
         self.max_model_len = engine_cfg.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)
@@ -106,6 +128,8 @@ class Engine:
             enable_prefix_caching=enable_prefix_caching,
         )
         self.token_buckets = buckets_up_to(pow2_ceil(engine_cfg.max_num_batched_tokens), MIN_TOKEN_BUCKET)
+        self.decode_row_buckets = buckets_up_to(pow2_ceil(engine_cfg.max_num_seqs), MIN_TOKEN_BUCKET)
+        self.times = PhaseTimes()
         self.pages_per_seq = -(-self.max_model_len // self.page_size)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer else frozenset({cfg.eos_token_id} - {None})
         self.slots = PenaltySlots(engine_cfg.max_num_seqs)
@@ -126,13 +150,20 @@ class Engine:
         return BatchShape(tokens=tokens, seqs=min(tokens, pow2_ceil(self.max_num_seqs)), pages_per_seq=self.pages_per_seq)
 
     def warmup(self) -> None:
-        """Compile every bucket now, so serving never compiles (checked by engine_stats)."""
-        bar = tqdm(self.token_buckets, desc="compiling buckets", disable=not self.use_tqdm, leave=False)
-        for t in bar:
-            shape = self.batch_shape(t)
-            self._run(shape, [], [], [])
+        """Compile every bucket now, so serving never compiles (checked by engine_stats).
+
+        Every step bucket, and with multi-step decode every decode-row bucket, is traced in turn and then
+        compiled ahead of time on `compile_threads` threads at once.
+        """
+        calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        for t in self.token_buckets:
+            calls.append(("step", (self.penalties, *self._step_args(self.batch_shape(t), [], [], [])), {}))
         if self.decode_steps_per_call > 1:
-            self._run_decodes([], [], [], 0)
+            for rows in self.decode_row_buckets:
+                args = self._decode_args(self.decode_shape(rows), [], [], [], 0)
+                calls.append(("decode", (self.penalties, *args), {"max_steps": self.decode_steps_per_call}))
+        with tqdm(total=1, desc=f"compiling {len(calls)} buckets", disable=not self.use_tqdm, leave=False):
+            self.runner.precompile(calls, self.compile_threads)
         self.penalties = self._reset_rows(self.penalties, *self._reset_args([]))  # also compiled up front
         self._compiles_at_warmup = self.runner.num_compiles
 
@@ -202,24 +233,33 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; outputs of every request that advanced (finished ones included)."""
+        t = time.perf_counter()
         plan = self.scheduler.schedule()
         for key in plan.preempted:
             self.slots.release(key)
         if not plan.seqs:
+            self.times.add("schedule", t)
             return []
         now = time.monotonic()
         for entry in plan.seqs:
             state = self.requests[entry.key[0]]
             state.scheduled_time = state.scheduled_time or now
         num_iterations = self._decode_iterations(plan)
+        slot_rows = self._slot_rows(plan)
+        self.times.add("schedule", t)
         if num_iterations > 1:
-            touched = self._step_decodes(plan, num_iterations)
+            out = self._run_decodes(plan.seqs, plan.page_copies, slot_rows, num_iterations)
+            t = time.perf_counter()
+            touched = self._apply_decodes(plan, out, num_iterations)
         else:
             shape = self.batch_shape(plan.num_batched_tokens)
-            out = self._run(shape, plan.seqs, plan.page_copies, self._slot_rows(plan))
+            out = self._run(shape, plan.seqs, plan.page_copies, slot_rows)
+            t = time.perf_counter()
             touched = self._apply(plan, out.sampled, out.prompt, range(len(plan.seqs)))
         self.num_steps += 1
-        return self._emit(touched)
+        outputs = self._emit(touched)
+        self.times.add("apply", t)
+        return outputs
 
     # ------------------------------------------------------------------------------------ multi-step decode
 
@@ -235,13 +275,14 @@ class Engine:
             room = min(room, len(e.page_ids) * self.page_size - e.start_pos)
         return room
 
-    def decode_shape(self) -> BatchShape:
-        """The one bucket of multi-step calls: one token per row (T == S)."""
-        rows = pow2_ceil(self.max_num_seqs)
+    def decode_shape(self, num_rows: int) -> BatchShape:
+        """The bucket of a multi-step call over `num_rows` sequences: one token per row (T == S), rows
+        rounded up to a power of two so batch-1 decode does not pay for max_num_seqs rows."""
+        rows = bucket(num_rows, MIN_TOKEN_BUCKET, self.decode_row_buckets[-1])
         return BatchShape(tokens=rows, seqs=rows, pages_per_seq=self.pages_per_seq)
 
-    def _step_decodes(self, plan: StepPlan, num_iterations: int) -> dict[str, RequestState]:
-        out = self._run_decodes(plan.seqs, plan.page_copies, self._slot_rows(plan), num_iterations)
+    def _apply_decodes(self, plan: StepPlan, out: Any, num_iterations: int) -> dict[str, RequestState]:
+        """Replay the call's iterations through `_apply`, one scheduler update per iteration."""
         touched: dict[str, RequestState] = {}
         rows: list[int] = list(range(len(plan.seqs)))
         for i in range(num_iterations):
@@ -251,17 +292,23 @@ class Engine:
                 plan, rows = self._next_decodes(plan, rows, sampled.tokens, out.valid[i + 1])
         return touched
 
+    def _decode_args(
+        self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int],
+        num_iterations: int,
+    ) -> tuple[StepBatch, SampleInputs, DecodeInputs]:
+        batch, inputs = self._step_args(shape, entries, copies, slots)
+        return batch, inputs, self._decode_inputs(shape, entries, num_iterations)
+
     def _run_decodes(
         self, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int], num_iterations: int
     ) -> Any:
-        shape = self.decode_shape()
-        batch = pack([SeqChunk(e.token_ids, e.start_pos, e.page_ids) for e in entries], shape, self.page_size)
-        inputs = self._sample_inputs(shape, entries, copies, slots)
-        decode = self._decode_inputs(shape, entries, num_iterations)
-        self.penalties, out = self.runner.decode_steps(
-            self.penalties, batch, inputs, decode, max_steps=self.decode_steps_per_call
-        )
-        return jax.device_get(out)
+        t = time.perf_counter()
+        args = self._decode_args(self.decode_shape(len(entries)), entries, copies, slots, num_iterations)
+        t = self.times.add("prepare", t)
+        self.penalties, out = self.runner.decode_steps(self.penalties, *args, max_steps=self.decode_steps_per_call)
+        out = jax.device_get(out)
+        self.times.add("device", t)
+        return out
 
     def _decode_inputs(self, shape: BatchShape, entries: Sequence[ScheduledSeq], num_iterations: int) -> DecodeInputs:
         budget = np.zeros(shape.seqs, np.int32)  # [S]
@@ -310,16 +357,24 @@ class Engine:
         fresh = PenaltyState.from_tokens([r[1] for r in resets], [r[2] for r in resets], num_rows, self.vocab_size)
         return rows, fresh
 
+    def _step_args(
+        self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int]
+    ) -> tuple[StepBatch, SampleInputs]:
+        chunks = [SeqChunk(e.token_ids, e.start_pos, e.page_ids) for e in entries]
+        return pack(chunks, shape, self.page_size), self._sample_inputs(shape, entries, copies, slots)
+
     def _run(
         self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int]
     ) -> StepOutput:
-        chunks = [SeqChunk(e.token_ids, e.start_pos, e.page_ids) for e in entries]
-        batch = pack(chunks, shape, self.page_size)
-        inputs = self._sample_inputs(shape, entries, copies, slots)
+        t = time.perf_counter()
+        batch, inputs = self._step_args(shape, entries, copies, slots)
+        t = self.times.add("prepare", t)
         self.penalties, out = self.runner.step(self.penalties, batch, inputs)
         # Prompt logprobs are [T, K] per step: copy them to the host only in steps that asked for them.
         prompt = jax.device_get(out.prompt) if inputs.want_prompt_logprobs else None
-        return StepOutput(jax.device_get(out.sampled), prompt)
+        out = StepOutput(jax.device_get(out.sampled), prompt)
+        self.times.add("device", t)
+        return out
 
     def _sample_inputs(
         self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int]
@@ -485,7 +540,8 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         stats = dict(self.scheduler.stats())
         after = None if self._compiles_at_warmup is None else self.runner.num_compiles - self._compiles_at_warmup
-        stats.update(num_compiles_after_warmup=after, num_compiles=self.runner.num_compiles, num_steps=self.num_steps)
+        stats.update(num_compiles_after_warmup=after, num_compiles=self.runner.num_compiles, num_steps=self.num_steps,
+                     step_time_s=dict(self.times.seconds))
         return stats
 
 

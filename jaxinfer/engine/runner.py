@@ -15,6 +15,9 @@ no more iterations than every row's last page has room for, so the loop never ne
 from __future__ import annotations
 
 import functools
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NamedTuple
 
 import jax
@@ -34,7 +37,7 @@ from jaxinfer.engine.sampling import (
     set_rows,
     update_output_counts,
 )
-from jaxinfer.kv_cache import KVCache
+from jaxinfer.kv_cache import KVCache, cache_sharding
 from jaxinfer.models import ModelFamily
 from jaxinfer.models.common import AttentionMetadata, gather_last_tokens
 from jaxinfer.sharding import ShardingRules, replicated
@@ -122,6 +125,9 @@ class ModelRunner:
         self.mesh, self.rules = mesh, rules
         self.attention_impl = resolve_impl(attention_impl)
         self.num_compiles = 0
+        self._trace_lock = threading.Lock()
+        # Executables compiled ahead of time by `precompile`, keyed by entry point and input shapes.
+        self._executables: dict[tuple[Any, ...], Any] = {}
         attn_fn = make_attention_fn(cfg, attention_impl, interpret)
         self._logits_step = jax.jit(
             functools.partial(self._logits_step_impl, attn_fn=attn_fn),
@@ -137,8 +143,18 @@ class ModelRunner:
             static_argnames=("max_steps",),
         )
 
+    def _pin_state(self, kv_cache: KVCache, penalties: PenaltyState) -> tuple[KVCache, PenaltyState]:
+        """Give the carried state the sharding it came in with. Left to XLA, the penalty rows come out split
+        over `tensor`, and an executable compiled ahead of time for replicated rows would refuse them."""
+        kv_cache = jax.lax.with_sharding_constraint(kv_cache, cache_sharding(self.mesh, self.rules))
+        return kv_cache, jax.lax.with_sharding_constraint(penalties, replicated(self.mesh))
+
+    def _count_compile(self) -> None:
+        with self._trace_lock:  # called only while tracing, i.e. once per new bucket shape
+            self.num_compiles += 1
+
     def _logits_step_impl(self, weights: Any, kv_cache: KVCache, batch: StepBatch, *, attn_fn: Any) -> Any:
-        self.num_compiles += 1  # runs only while tracing, i.e. once per new bucket shape
+        self._count_compile()
         hidden, kv_cache = self.family.forward(weights, self.cfg, batch.token_ids, batch.md, kv_cache, attn_fn)
         last = gather_last_tokens(hidden, batch.logits_indices)  # [S, D]
         return kv_cache, self.family.compute_logits(weights, self.cfg, last)
@@ -147,7 +163,7 @@ class ModelRunner:
         self, weights: Any, kv_cache: KVCache, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs,
         *, attn_fn: Any,
     ) -> tuple[KVCache, PenaltyState, StepOutput]:
-        self.num_compiles += 1
+        self._count_compile()
         kv_cache = copy_pages(kv_cache, inputs.copy_src, inputs.copy_dst)
         hidden, kv_cache = self.family.forward(weights, self.cfg, batch.token_ids, batch.md, kv_cache, attn_fn)
         logits = self.family.compute_logits(weights, self.cfg, gather_last_tokens(hidden, batch.logits_indices))
@@ -162,13 +178,13 @@ class ModelRunner:
             ),
             lambda: _empty_prompt_logprobs(batch.token_ids.shape[0]),
         )
-        return kv_cache, penalties, StepOutput(out, prompt)
+        return *self._pin_state(kv_cache, penalties), StepOutput(out, prompt)
 
     def _decode_steps_impl(
         self, weights: Any, kv_cache: KVCache, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs,
         decode: DecodeInputs, *, attn_fn: Any, max_steps: int,
     ) -> tuple[KVCache, PenaltyState, MultiStepOutput]:
-        self.num_compiles += 1
+        self._count_compile()
         kv_cache = copy_pages(kv_cache, inputs.copy_src, inputs.copy_dst)
         num_rows = batch.logits_indices.shape[0]
         real = jnp.arange(num_rows) < batch.md.num_seqs[0]  # [S]
@@ -188,7 +204,7 @@ class ModelRunner:
 
         carry, (sampled, valid) = jax.lax.scan(body, carry, jnp.arange(max_steps))  # outputs [N, S, ...]
         penalties = set_rows(penalties, inputs.slots, carry.rows)
-        return carry.kv_cache, penalties, MultiStepOutput(sampled, valid)
+        return *self._pin_state(carry.kv_cache, penalties), MultiStepOutput(sampled, valid)
 
     def _decode_iteration(
         self, weights: Any, c: _DecodeCarry, i: jax.Array, md0: AttentionMetadata, decode: DecodeInputs,
@@ -212,15 +228,54 @@ class ModelRunner:
         self, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs, decode: DecodeInputs, max_steps: int
     ) -> tuple[PenaltyState, MultiStepOutput]:
         """Up to `max_steps` decode iterations in one call; `batch` holds one token per row (T == S)."""
-        self.kv_cache, penalties, out = self._decode_steps(
-            self.weights, self.kv_cache, penalties, batch, inputs, decode, max_steps=max_steps
+        self.kv_cache, penalties, out = self._dispatch(
+            "decode", (self.weights, self.kv_cache, penalties, batch, inputs, decode), {"max_steps": max_steps}
         )
         return penalties, out
 
     def step(self, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs) -> tuple[PenaltyState, StepOutput]:
         """Forward + sampling; the cache and the penalty state are updated in place (donated)."""
-        self.kv_cache, penalties, out = self._sample_step(self.weights, self.kv_cache, penalties, batch, inputs)
+        self.kv_cache, penalties, out = self._dispatch(
+            "step", (self.weights, self.kv_cache, penalties, batch, inputs), {}
+        )
         return penalties, out
+
+    # ------------------------------------------------------------------ ahead-of-time compilation
+
+    def _jitted(self, kind: str) -> Any:
+        return {"step": self._sample_step, "decode": self._decode_steps}[kind]
+
+    @staticmethod
+    def _key(kind: str, args: tuple[Any, ...], static: dict[str, Any]) -> tuple[Any, ...]:
+        # Weights and cache (args 0, 1) never change shape; the rest is a few dozen small leaves.
+        shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(args[2:]))
+        return (kind, shapes, tuple(sorted(static.items())))
+
+    def _dispatch(self, kind: str, args: tuple[Any, ...], static: dict[str, Any]) -> Any:
+        exe = self._executables.get(self._key(kind, args, static))
+        if exe is not None:
+            return exe(*args)
+        return self._jitted(kind)(*args, **static)  # traces and compiles a shape warmup did not cover
+
+    def precompile(self, calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]], threads: int | None = None) -> None:
+        """Compile every (kind, example args after weights and cache, static args) ahead of time.
+
+        Tracing holds the GIL, so it runs in turn; XLA compilation releases it, so the buckets compile in
+        parallel threads (on a GPU host most of warmup is XLA compile time). Each executable is kept and
+        used by `step`/`decode_steps` for inputs of the same shapes.
+        """
+        lowered = []
+        for kind, rest, static in calls:
+            args = (self.weights, self.kv_cache, *rest)
+            key = self._key(kind, args, static)
+            if key not in self._executables:
+                lowered.append((key, self._jitted(kind).lower(*args, **static)))
+        if not lowered:
+            return
+        threads = threads or min(len(lowered), max(1, (os.cpu_count() or 1) // 2))
+        with ThreadPoolExecutor(threads) as pool:
+            executables = list(pool.map(lambda item: item[1].compile(), lowered))
+        self._executables.update((key, exe) for (key, _), exe in zip(lowered, executables))
 
     def logits(self, batch: StepBatch) -> jax.Array:
         """Run the model on `batch`, update the cache in place, return float32 logits [S, V]."""
