@@ -1,4 +1,4 @@
-"""Command line: `jaxinfer generate | batch | convert`."""
+"""Command line: `jaxinfer generate | batch | bench | convert`."""
 
 from __future__ import annotations
 
@@ -39,6 +39,10 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
     batch = sub.add_parser("batch", help="run a YAML or gin batch job (resumable)")
     batch.add_argument("job", help="path to JOB.yaml or JOB.gin")
+    bench = sub.add_parser("bench", help="end-to-end benchmark: throughput grid, concurrency sweep, MBU/MFU, HF baseline")
+    from jaxinfer.bench.main import add_arguments
+
+    add_arguments(bench)
     conv = sub.add_parser("convert", help="convert a checkpoint to an orbax directory")
     conv.add_argument("src")
     conv.add_argument("dst")
@@ -93,9 +97,17 @@ def cmd_batch(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
+    from jaxinfer.bench.main import execute
+
+    return execute(args, argv[argv.index("bench") + 1 :])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
-    handlers = {"generate": cmd_generate, "convert": cmd_convert, "batch": cmd_batch}
+    handlers = {"generate": cmd_generate, "convert": cmd_convert, "batch": cmd_batch,
+                "bench": lambda a: cmd_bench(a, argv)}
     try:
         return handlers[args.command](args)
     except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:

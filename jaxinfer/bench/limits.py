@@ -1,0 +1,91 @@
+"""What a workload must move and compute, and the fastest it could run on the measured ceilings.
+
+The limit of a workload is max(bytes read / copy bandwidth, FLOPs / matmul rate), where the bytes are the
+weights once per decode step plus every KV byte each generated token attends to, at the largest batch the
+KV cache (and max_num_seqs) allows. Its reciprocal throughput is the ceiling every figure is shown beside.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax.numpy as jnp
+
+from jaxinfer.bench.workloads import Workload
+from jaxinfer.config import ModelConfig
+from jaxinfer.models import family_for_config
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelCost:
+    body_params: int  # every weight a token's forward multiplies by, except the LM head and the embedding
+    head_params: int  # the LM head (the embedding itself when tied): only sampled tokens use it
+    weight_bytes_per_step: int  # what one decode step reads: body + head (the embedding is a row gather)
+    kv_bytes_per_token: int  # K and V of one position in every layer
+    attn_flops_per_pair: int  # QK^T and PV FLOPs of one query against one context position, all layers
+
+    @classmethod
+    def of(cls, cfg: ModelConfig, dtype: jnp.dtype = jnp.bfloat16, kv_dtype: jnp.dtype | None = None) -> ModelCost:
+        specs = family_for_config(cfg).param_specs(cfg, dtype)
+        total = sum(math.prod(s.shape) for s in _leaves(specs))
+        head = cfg.vocab_size * cfg.hidden_size
+        body = total - head - (0 if cfg.tie_word_embeddings else head)  # the embedding is not a matmul
+        item = jnp.dtype(dtype).itemsize
+        kv_item = jnp.dtype(kv_dtype or dtype).itemsize
+        return cls(
+            body_params=body,
+            head_params=head,
+            weight_bytes_per_step=(body + head) * item,
+            kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_size * kv_item,
+            attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * cfg.head_size,
+        )
+
+
+def _leaves(tree: object) -> list:
+    """ParamSpec leaves of a weights-shaped tree of specs (dataclasses, tuples, None)."""
+    if tree is None:
+        return []
+    if hasattr(tree, "shape") and hasattr(tree, "dtype"):
+        return [tree]
+    if dataclasses.is_dataclass(tree):
+        return [x for f in dataclasses.fields(tree) for x in _leaves(getattr(tree, f.name))]
+    if isinstance(tree, tuple | list):
+        return [x for item in tree for x in _leaves(item)]
+    raise TypeError(f"unexpected node {type(tree).__name__} in the parameter specs")
+
+
+def attended_context(workload: Workload) -> int:
+    """Context positions all generated tokens attend to: token t of request i sees input_i + t positions."""
+    return sum(o * i + o * (o - 1) // 2 for i, o in zip(workload.input_lens, workload.output_lens))
+
+
+def workload_limit(
+    cost: ModelCost, workload: Workload, *, kv_capacity_tokens: int, max_num_seqs: int, copy_bw: float,
+    matmul_rate: float,
+) -> dict[str, float | int | str]:
+    """The workload's fastest possible run on this device (bytes/s and FLOP/s measured beside it)."""
+    mean_len = (workload.input_tokens + workload.output_tokens) / workload.num_prompts
+    batch = max(1, min(workload.num_prompts, max_num_seqs, int(kv_capacity_tokens // mean_len)))
+    context = attended_context(workload)
+    steps = workload.output_tokens / batch  # decode steps at a full batch; each reads the weights once
+    bytes_read = steps * cost.weight_bytes_per_step + context * cost.kv_bytes_per_token
+    forward_tokens = workload.input_tokens + workload.output_tokens - workload.num_prompts
+    prefill_pairs = sum(i * (i + 1) // 2 for i in workload.input_lens)  # causal
+    flops = (
+        2 * cost.body_params * forward_tokens
+        + 2 * cost.head_params * workload.output_tokens
+        + cost.attn_flops_per_pair * (prefill_pairs + context)
+    )
+    memory_s, compute_s = bytes_read / copy_bw, flops / matmul_rate
+    seconds = max(memory_s, compute_s)
+    return {
+        "batch": batch,
+        "bytes": bytes_read,
+        "flops": flops,
+        "memory_s": memory_s,
+        "compute_s": compute_s,
+        "bound": "memory" if memory_s >= compute_s else "compute",
+        "output_tok_s": workload.output_tokens / seconds,
+        "total_tok_s": (workload.input_tokens + workload.output_tokens) / seconds,
+    }

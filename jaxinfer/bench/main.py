@@ -1,0 +1,258 @@
+"""`jaxinfer bench` (also `python scripts/bench.py`): the end-to-end benchmark on one device.
+
+One command measures, in this order and in one process (the HF baseline in a subprocess before JAX takes
+the GPU):
+  HF transformers  the same 1000/1000 workload (and batch-1/64 decode) through torch on the same GPU;
+  ceilings         copy bandwidth (best of JAX passes and the baseline's torch copy) and bf16 matmul rate;
+  warmup           seconds to build the engine and compile every bucket; compiles after warmup (must be 0);
+  decode MBU       batch 1 and 64; prefill MFU at 4k tokens;
+  offline grid     128/128, 1000/1000, 2048/2048 and a ShareGPT-like mix, each beside its workload limit;
+  sweep            closed-loop serving at concurrency 1, 8, 32, 128, 256 (TTFT, TPOT, ITL, throughput);
+and writes latest.json (headline keys first) and a PNG plot. On the GPU machine:
+
+    PYTHONPATH=$PWD python3 -m jaxinfer.cli bench --out $OUT/latest.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from jaxinfer.bench import report
+from jaxinfer.bench.limits import ModelCost, workload_limit
+from jaxinfer.bench.workloads import Workload, fixed, parse
+
+DEFAULT_GRID = ["128x128:1024", "1000x1000:256", "2048x2048:128", "sharegpt:512"]
+HF_SCRIPT = Path(__file__).with_name("hf_baseline.py")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="llama-3-8b", help="preset alias (random weights) or a checkpoint")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: the longest request benchmarked")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--memory-fraction", type=float, default=0.9, help="of free device memory, for the KV cache")
+    p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from --memory-fraction)")
+    p.add_argument("--decode-steps-per-call", type=int, default=8)
+    p.add_argument("--compile-threads", type=int, default=None)
+    p.add_argument("--grid", nargs="*", default=DEFAULT_GRID, help="INxOUT:N or sharegpt:N workloads")
+    p.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 128, 256])
+    p.add_argument("--sweep-workload", default="1024x128", help="INxOUT of every sweep request")
+    p.add_argument("--sweep-requests-per-slot", type=int, default=2, help="requests = max(4, this x concurrency)")
+    p.add_argument("--decode-batches", type=int, nargs="*", default=[1, 64])
+    p.add_argument("--decode-ctx", type=int, default=1024)
+    p.add_argument("--decode-steps", type=int, default=64)
+    p.add_argument("--prefill-tokens", type=int, default=4096, help="0 skips the prefill MFU")
+    p.add_argument("--copy-gib", type=float, default=4.0)
+    p.add_argument("--matmul-n", type=int, default=8192)
+    p.add_argument("--hf", choices=["run", "skip"], default="run", help="run the HF transformers baseline")
+    p.add_argument("--hf-json", default=None, help="reuse a baseline result from an earlier run on this device")
+    p.add_argument("--hf-only", default=None, metavar="JSON", help="run only the HF baseline and write it here")
+    p.add_argument("--hf-prompts", type=int, default=64, help="1000/1000 prompts both stacks run for the ratio")
+    p.add_argument("--hf-time-limit", type=float, default=240.0, help="seconds per HF mode before it is skipped")
+    p.add_argument("--out", default="bench_results/latest.json")
+    p.add_argument("--plot", default=None, help="PNG path (default: beside --out); 'none' skips it")
+    p.add_argument("--plot-only", default=None, metavar="JSON", help="only draw the plot of an existing result")
+
+
+def _command(argv: list[str]) -> str:
+    return "jaxinfer bench " + " ".join(argv)
+
+
+def _workloads(specs: list[str]) -> list[Workload]:
+    out = []
+    for spec in specs:
+        name, _, n = spec.partition(":")
+        out.append(parse(name, int(n) if n else 256))
+    return out
+
+
+def _max_model_len(args: argparse.Namespace, workloads: list[Workload], sweep: Workload) -> int:
+    if args.max_model_len:
+        return args.max_model_len
+    need = [w.max_len for w in [*workloads, sweep]] + [args.decode_ctx + args.decode_steps + 16, args.prefill_tokens + 16]
+    return -(-max(need) // args.page_size) * args.page_size
+
+
+def hf_spec(cfg: Any, args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
+    """What the HF baseline runs: the same shape, random weights, the comparison workload and decode."""
+    return {
+        "architecture": cfg.architecture,
+        "model": {
+            "vocab_size": cfg.vocab_size, "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+            "num_hidden_layers": cfg.num_layers, "num_attention_heads": cfg.num_heads,
+            "num_key_value_heads": cfg.num_kv_heads, "head_dim": cfg.head_size, "rope_theta": cfg.rope_theta,
+            "max_position_embeddings": cfg.max_position_embeddings, "rms_norm_eps": cfg.rms_norm_eps,
+            "tie_word_embeddings": cfg.tie_word_embeddings,
+        },
+        "dtype": args.dtype,
+        "device": "cuda",
+        "seed": 0,
+        "decode": {"ctx": args.decode_ctx, "steps": args.decode_steps, "batches": args.decode_batches},
+        "throughput": [{"name": workload.name, "input_len": workload.input_lens[0],
+                        "output_len": workload.output_lens[0], "num_prompts": workload.num_prompts}],
+        "modes": ["static", "generate_batch"],
+        "time_limit_s": args.hf_time_limit,
+    }
+
+
+def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
+    """The baseline in its own process, so torch and JAX never hold the GPU at once."""
+    with tempfile.TemporaryDirectory() as tmp:
+        spec_path, out_path = Path(tmp) / "spec.json", Path(tmp) / "hf.json"
+        spec_path.write_text(json.dumps(spec))
+        cmd = [sys.executable, str(HF_SCRIPT), "--spec", str(spec_path), "--out", str(out_path)]
+        print("running the HF transformers baseline:", " ".join(cmd), flush=True)
+        proc = subprocess.run(cmd, check=False)
+        if proc.returncode != 0 or not out_path.exists():
+            return {"error": f"HF baseline exited with {proc.returncode}"}
+        return json.loads(out_path.read_text())
+
+
+def hf_comparison(ours: dict[str, Any], hf: dict[str, Any], workload: Workload) -> dict[str, Any]:
+    best = (hf.get("best_output_tok_s") or {}).get(workload.name)
+    comparison = {"workload": workload.name, "num_prompts": workload.num_prompts,
+                  "ours_output_tok_s": ours["output_tok_s"], "hf_output_tok_s": best,
+                  "hf_best_mode": (hf.get("best_mode") or {}).get(workload.name), "hf_device": hf.get("device")}
+    if best:
+        comparison["ratio"] = ours["output_tok_s"] / best
+    return comparison
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    from jaxinfer.presets import BUNDLED, is_alias, load_preset
+
+    workloads = _workloads(args.grid)
+    sweep_in, sweep_out = (int(x) for x in args.sweep_workload.split("x"))
+    sweep_shape = fixed(sweep_in, sweep_out, 1)
+    hf_workload = fixed(1000, 1000, args.hf_prompts)
+    model_name = args.model if isinstance(args.model, str) else f"{args.model.architecture} (custom config)"
+    result: dict[str, Any] = {"command": _command(argv), "model": model_name, "dtype": args.dtype,
+                              "started": time.strftime("%Y-%m-%dT%H:%M:%S%z")}
+    hf: dict[str, Any] | None = None
+    if args.hf_json:
+        hf = json.loads(Path(args.hf_json).read_text())
+    elif args.hf == "run" and isinstance(args.model, str) and args.model not in BUNDLED and is_alias(args.model):
+        hf = run_hf(hf_spec(load_preset(str(args.model)), args, hf_workload))
+    result["hf"] = hf
+
+    # JAX touches the device only from here on (its allocator takes most of the memory at first use).
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+    import jax
+
+    from jaxinfer import LLM
+    from jaxinfer.bench import measure
+
+    result["device"] = jax.devices()[0].device_kind
+    result["jax"] = jax.__version__
+    copies = measure.copy_bandwidth(args.copy_gib)
+    if hf and hf.get("copy_bw_gbs") and hf.get("device") == result["device"]:
+        copies["torch_copy"] = hf["copy_bw_gbs"] * 1e9
+    copy_bw = max(copies.values())
+    rate = measure.matmul_rate(args.matmul_n)
+    result["ceilings"] = {"copy_bw_gbs": copy_bw / 1e9, "copy_methods_gbs": {k: v / 1e9 for k, v in copies.items()},
+                          "matmul_tflops": rate / 1e12}
+    print(json.dumps(result["ceilings"]), flush=True)
+
+    max_len = _max_model_len(args, workloads, sweep_shape)
+    t = time.perf_counter()
+    llm = LLM(args.model, random_weights=True, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
+              memory_fraction=args.memory_fraction, num_pages=args.num_pages, decode_steps_per_call=args.decode_steps_per_call,
+              compile_threads=args.compile_threads, use_tqdm=False)
+    result["warmup_s"] = time.perf_counter() - t
+    cost = ModelCost.of(llm.model_config, llm.dtype)
+    kv_tokens = llm.engine.scheduler.stats()["total_pages"] * args.page_size
+    result["engine"] = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
+                        "max_model_len": max_len, "page_size": args.page_size, "kv_capacity_tokens": kv_tokens,
+                        "decode_steps_per_call": args.decode_steps_per_call,
+                        "attention_impl": llm.engine.runner.attention_impl,
+                        "weight_bytes_per_step": cost.weight_bytes_per_step}
+    print(json.dumps({"warmup_s": result["warmup_s"], **result["engine"]}), flush=True)
+
+    result["decode"] = []
+    for batch in args.decode_batches:
+        result["decode"].append(measure.decode_mbu(llm, cost, batch, args.decode_ctx, args.decode_steps, copy_bw))
+        print(json.dumps(result["decode"][-1]), flush=True)
+    result["decode_device"] = []
+    for batch in args.decode_batches:
+        result["decode_device"].append(measure.decode_device_profile(llm, cost, batch, args.decode_ctx, copy_bw))
+        print(json.dumps(result["decode_device"][-1]), flush=True)
+    if args.prefill_tokens > 0:
+        result["prefill"] = measure.prefill_mfu(llm, cost, args.prefill_tokens, rate)
+        print(json.dumps(result["prefill"]), flush=True)
+
+    def limit(w: Workload) -> dict[str, Any]:
+        return workload_limit(cost, w, kv_capacity_tokens=kv_tokens, max_num_seqs=args.max_num_seqs,
+                              copy_bw=copy_bw, matmul_rate=rate)
+
+    result["grid"] = []
+    for w in workloads:
+        r = {"workload": w.name, **measure.offline_throughput(llm, w), "limit": limit(w)}
+        r["fraction_of_limit"] = r["output_tok_s"] / r["limit"]["output_tok_s"]
+        result["grid"].append(r)
+        print(json.dumps({k: r[k] for k in ("workload", "num_prompts", "output_tok_s", "fraction_of_limit")}), flush=True)
+    if hf is not None:
+        ours = measure.offline_throughput(llm, hf_workload)
+        result["hf_comparison"] = {**hf_comparison(ours, hf, hf_workload), "limit": limit(hf_workload)}
+        print(json.dumps(result["hf_comparison"]), flush=True)
+
+    result["sweep"] = []
+    for c in args.concurrency:
+        n = max(4, args.sweep_requests_per_slot * c)
+        w = fixed(sweep_in, sweep_out, n)
+        result["sweep"].append({"workload": w.name, **measure.serve_at_concurrency(llm, w, c)})
+        print(json.dumps({k: result["sweep"][-1][k] for k in ("concurrency", "output_throughput")}), flush=True)
+
+    stats = llm.engine_stats()
+    result["recompiles_after_warmup"] = stats["num_compiles_after_warmup"]
+    result["engine_stats"] = stats
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="jaxinfer bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    argv = sys.argv[1:] if argv is None else argv
+    return execute(parser.parse_args(argv), argv)
+
+
+def execute(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.plot_only:
+        result = json.loads(Path(args.plot_only).read_text())
+        print(report.table(result))
+        print("wrote", report.plot(result, args.plot or Path(args.plot_only).with_suffix(".png")))
+        return 0
+    if args.hf_only:
+        from jaxinfer.presets import load_preset
+
+        hf = run_hf(hf_spec(load_preset(str(args.model)), args, fixed(1000, 1000, args.hf_prompts)))
+        hf["command"] = _command(argv)
+        Path(args.hf_only).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.hf_only).write_text(json.dumps(hf, indent=1) + "\n")
+        print(json.dumps({k: hf.get(k) for k in ("device", "copy_bw_gbs", "best_output_tok_s", "best_mode", "error")}))
+        return 0 if "error" not in hf else 1
+    result = run(args, argv)
+    report.write(result, args.out)
+    if args.plot != "none":
+        try:
+            print("wrote", report.plot(result, args.plot or Path(args.out).with_suffix(".png")))
+        except ImportError:
+            print("matplotlib is not installed: no plot (jaxinfer bench --plot-only JSON draws it later)")
+    print(report.table(result))
+    print("wrote", args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

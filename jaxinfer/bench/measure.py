@@ -1,0 +1,280 @@
+"""The measurements of `jaxinfer bench`: ceilings, offline throughput, a concurrency sweep, decode MBU and
+prefill MFU. Each takes a built `LLM` (random weights of a full-size preset on the GPU; a tiny config on
+CPU in the tests) and returns plain numbers; `jaxinfer.bench.main` puts them together."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer.bench.limits import ModelCost
+from jaxinfer.bench.workloads import Workload, fixed, prompts
+from jaxinfer.config import SamplingParams
+
+
+def median_time(fn: Callable[[], Any], repeats: int = 10) -> float:
+    jax.block_until_ready(fn())  # compile and warm
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return float(np.median(times))
+
+
+def copy_bandwidth(gib: float) -> dict[str, float]:
+    """Bytes read + written per second by plain XLA passes over a large bf16 array, per method."""
+    n = int(gib * (1 << 30) // 2)
+    x = jax.random.normal(jax.random.key(0), (n,), jnp.bfloat16)
+    passes = {
+        "jax_scale": jax.jit(lambda a: a * jnp.bfloat16(1.0001)),
+        "jax_add": jax.jit(lambda a: a + jnp.bfloat16(1)),
+    }
+    return {name: 2 * x.nbytes / median_time(lambda f=f: f(x)) for name, f in passes.items()}
+
+
+def matmul_rate(n: int) -> float:
+    """bf16 FLOP/s of an n^3 product."""
+    a = jax.random.normal(jax.random.key(1), (n, n), jnp.bfloat16)
+    b = jax.random.normal(jax.random.key(2), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda x, y: x @ y)
+    return 2 * n**3 / median_time(lambda: f(a, b))
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    """Exactly max_tokens tokens, greedy: the lengths a benchmark asked for, whatever the weights say."""
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+
+
+def _stats_delta(llm: Any, before: dict[str, Any]) -> dict[str, Any]:
+    after = llm.engine_stats()
+    phases = {k: after["step_time_s"][k] - before["step_time_s"][k] for k in after["step_time_s"]}
+    return {
+        "engine_steps": after["num_steps"] - before["num_steps"],
+        "preemptions": after["num_preemptions"] - before["num_preemptions"],
+        "step_time_s": phases,
+    }
+
+
+def offline_throughput(llm: Any, workload: Workload, seed: int = 0) -> dict[str, Any]:
+    """Every request queued at once, run to completion: output and total tokens per second."""
+    batch = prompts(workload, llm.model_config.vocab_size, seed)
+    params = [greedy(n) for n in workload.output_lens]
+    before = llm.engine_stats()
+    t = time.perf_counter()
+    outs = llm.generate(batch, params, use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    produced = sum(len(o.token_ids) for o in outs)
+    if produced != workload.output_tokens:
+        raise RuntimeError(f"{workload.name}: generated {produced} tokens, the workload asks for {workload.output_tokens}")
+    return {
+        "num_prompts": workload.num_prompts,
+        "input_tokens": workload.input_tokens,
+        "output_tokens": produced,
+        "elapsed_s": elapsed,
+        "output_tok_s": produced / elapsed,
+        "total_tok_s": (produced + workload.input_tokens) / elapsed,
+        "request_s": workload.num_prompts / elapsed,
+        **_stats_delta(llm, before),
+    }
+
+
+def _summary(values_s: Sequence[float]) -> dict[str, float]:
+    """mean / median / p99 in milliseconds (the metric set of `vllm bench serve`)."""
+    a = np.asarray(values_s, float) * 1e3
+    if a.size == 0:
+        return {"mean_ms": float("nan"), "median_ms": float("nan"), "p99_ms": float("nan")}
+    return {"mean_ms": float(a.mean()), "median_ms": float(np.median(a)), "p99_ms": float(np.percentile(a, 99))}
+
+
+def serve_at_concurrency(llm: Any, workload: Workload, concurrency: int, seed: int = 0) -> dict[str, Any]:
+    """Closed-loop serving: at most `concurrency` requests in flight, a new one sent as soon as one finishes
+    (`vllm bench serve --max-concurrency C` with an infinite request rate). Times are from a request's
+    add_request to its tokens reaching the host."""
+    batch = prompts(workload, llm.model_config.vocab_size, seed)
+    pending = list(range(workload.num_prompts))[::-1]
+    in_flight: dict[str, int] = {}
+    ttfts, tpots, itls, e2es = [], [], [], []
+    before = llm.engine_stats()
+    start = time.perf_counter()
+    while pending or in_flight:
+        while pending and len(in_flight) < concurrency:
+            i = pending.pop()
+            in_flight[llm.add_request(batch[i], greedy(workload.output_lens[i]))] = i
+        for out in llm.step():
+            if not out.finished or out.request_id not in in_flight:
+                continue
+            del in_flight[out.request_id]
+            m = out.metrics
+            e2e = time.monotonic() - m["arrival_time"]
+            e2es.append(e2e)
+            ttfts.append(m["ttft_s"])
+            itls.extend(out.inter_token_latencies)
+            if len(out.token_ids) > 1:
+                tpots.append((e2e - m["ttft_s"]) / (len(out.token_ids) - 1))
+    duration = time.perf_counter() - start
+    return {
+        "concurrency": concurrency,
+        "num_prompts": workload.num_prompts,
+        "duration_s": duration,
+        "request_throughput": workload.num_prompts / duration,
+        "output_throughput": workload.output_tokens / duration,
+        "total_token_throughput": (workload.input_tokens + workload.output_tokens) / duration,
+        "ttft": _summary(ttfts),
+        "tpot": _summary(tpots),
+        "itl": _summary(itls),
+        "e2e": _summary(e2es),
+        **_stats_delta(llm, before),
+    }
+
+
+def decode_mbu(llm: Any, cost: ModelCost, batch: int, ctx: int, steps: int, copy_bw: float) -> dict[str, Any]:
+    """Prefill `batch` prompts of `ctx` tokens, then time the engine decoding `steps` more tokens for each.
+
+    MBU = (weight bytes + KV bytes attended) per step / step time / copy bandwidth; a step is one token for
+    every sequence, whatever the number of engine calls (multi-step decode makes several per call).
+    """
+    engine = llm.engine
+    for prompt in prompts(fixed(ctx, steps, batch), llm.model_config.vocab_size, seed=batch):
+        engine.add_request(prompt, greedy(steps + 1 + 8))
+
+    def generated() -> int:
+        return sum(len(s.token_ids) for r in engine.requests.values() for s in r.seqs)
+
+    while generated() < batch:  # every prompt prefilled: each holds its first token
+        engine.step()
+    start_tokens, before = generated(), llm.engine_stats()
+    t = time.perf_counter()
+    while generated() - start_tokens < steps * batch:
+        engine.step()
+    elapsed = time.perf_counter() - t
+    made = generated() - start_tokens
+    delta = _stats_delta(llm, before)
+    while engine.has_unfinished():
+        engine.step()
+    step_s = elapsed / (made / batch)
+    kv_bytes = batch * (ctx + steps / 2) * cost.kv_bytes_per_token  # mean context over the timed steps
+    return {
+        "batch": batch,
+        "ctx": ctx,
+        "step_ms": step_s * 1e3,
+        "tok_s": batch / step_s,
+        "bytes_per_step": cost.weight_bytes_per_step + kv_bytes,
+        "mbu": (cost.weight_bytes_per_step + kv_bytes) / step_s / copy_bw,
+        **delta,
+    }
+
+
+def prefill_mfu(llm: Any, cost: ModelCost, tokens: int, rate: float) -> dict[str, Any]:
+    """One `tokens`-long prompt, timed to its first token (chunked by the engine's token budget)."""
+    warm, prompt = prompts(fixed(tokens, 1, 2), llm.model_config.vocab_size, seed=tokens)  # distinct: no prefix hit
+    llm.generate([warm], greedy(1), use_tqdm=False)  # warm the path
+    t = time.perf_counter()
+    llm.generate([prompt], greedy(1), use_tqdm=False)
+    elapsed = time.perf_counter() - t
+    flops = 2 * cost.body_params * tokens + 2 * cost.head_params + cost.attn_flops_per_pair * tokens * (tokens + 1) // 2
+    return {"tokens": tokens, "prefill_s": elapsed, "tflops": flops / elapsed / 1e12, "mfu": flops / elapsed / rate}
+
+
+def decode_device_profile(llm: Any, cost: ModelCost, batch: int, ctx: int, copy_bw: float, calls: int = 20) -> dict[str, Any]:
+    """Device time of one decode step with the host taken out: the same step's arguments dispatched
+    `calls` times back to back (asynchronously, so the device never waits for the host), for the single
+    step and for the multi-step call. Set beside the engine's own step time, the difference is host time.
+    """
+    engine, runner = llm.engine, llm.engine.runner
+    ids = [engine.add_request(p, greedy(64)) for p in prompts(fixed(ctx, 1, batch), llm.model_config.vocab_size, 7)]
+    while any(not engine.requests[r].seqs[0].token_ids for r in ids):
+        engine.step()
+    plan = engine.scheduler.schedule()  # every row decodes one token
+    slots = engine._slot_rows(plan)
+    step_args = engine._step_args(engine.batch_shape(len(plan.seqs)), plan.seqs, [], slots)
+    n = engine.decode_steps_per_call
+    decode_args = engine._decode_args(engine.decode_shape(len(plan.seqs)), plan.seqs, [], slots, n)
+
+    def run_single() -> Any:
+        engine.penalties, out = runner.step(engine.penalties, *step_args)
+        return out
+
+    def run_multi() -> Any:
+        engine.penalties, out = runner.decode_steps(engine.penalties, *decode_args, max_steps=n)
+        return out
+
+    def per_call(fn: Callable[[], Any]) -> float:
+        jax.block_until_ready(fn())
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(calls - 1):
+                fn()
+            jax.block_until_ready(fn())
+            times.append((time.perf_counter() - t) / calls)
+        return float(np.median(times))
+
+    single, multi = per_call(run_single), per_call(run_multi) / n
+    kernels = kernel_profile(lambda: [run_single() for _ in range(5)], calls=5)
+    for rid in ids:
+        engine.abort(rid)
+    bytes_per_step = cost.weight_bytes_per_step + batch * ctx * cost.kv_bytes_per_token
+    return {
+        "batch": batch,
+        "ctx": ctx,
+        "single_step_ms": single * 1e3,
+        "multi_step_ms_per_iteration": multi * 1e3,
+        "decode_steps_per_call": n,
+        "bytes_per_step": bytes_per_step,
+        "ideal_ms_at_copy_bw": bytes_per_step / copy_bw * 1e3,
+        "device_mbu_single": bytes_per_step / single / copy_bw,
+        "device_mbu_multi": bytes_per_step / multi / copy_bw,
+        "kernels": kernels,
+    }
+
+
+KERNEL_CLASSES = (  # substrings of device event names, checked in order
+    ("attention", ("ragged", "mosaic", "attention", "paged")),
+    ("matmul", ("gemm", "cublas", "nvjet", "cutlass", "matmul", "dot")),
+)
+
+
+def kernel_profile(fn: Callable[[], Any], calls: int, top: int = 12) -> dict[str, Any]:
+    """Run `fn` under the JAX profiler and sum device event time per kernel name (per call of the step).
+
+    Reads the Perfetto JSON the profiler writes; on a GPU only the device's own events count (the host
+    threads are left out), on CPU there are no device events and the host's are summed instead.
+    """
+    import glob
+    import gzip
+    import json
+    import tempfile
+
+    jax.block_until_ready(fn())
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            jax.block_until_ready(fn())
+        (path,) = glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = {pid for pid, name in names.items() if "GPU" in name or "TPU" in name}
+    spans = [e for e in events if e.get("ph") == "X" and (e["pid"] in device or not device)]
+    per_name: dict[str, float] = {}
+    for e in spans:
+        per_name[e["name"]] = per_name.get(e["name"], 0.0) + float(e.get("dur", 0.0)) / 1e3 / calls  # us -> ms
+    total = sum(per_name.values())
+    classes = dict.fromkeys([c for c, _ in KERNEL_CLASSES] + ["other"], 0.0)
+    for name, ms in per_name.items():
+        lowered = name.lower()
+        cls = next((c for c, keys in KERNEL_CLASSES if any(k in lowered for k in keys)), "other")
+        classes[cls] += ms
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
+    return {
+        "source": "device" if device else "host",
+        "total_ms_per_call": total,
+        "ms_per_call_by_class": classes,
+        "top": [{"name": name[:120], "ms_per_call": ms, "share": ms / total if total else 0.0} for name, ms in ranked],
+    }
