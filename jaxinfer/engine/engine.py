@@ -128,7 +128,10 @@ class Engine:
             enable_prefix_caching=enable_prefix_caching,
         )
         self.token_buckets = buckets_up_to(pow2_ceil(engine_cfg.max_num_batched_tokens), MIN_TOKEN_BUCKET)
-        self.decode_row_buckets = buckets_up_to(pow2_ceil(engine_cfg.max_num_seqs), MIN_TOKEN_BUCKET)
+        # A single decoding sequence gets its own 1-row bucket: at M = 1 the weight matmuls are
+        # matrix-vector products, which stream the weights faster than a 16-row GEMM does.
+        row_cap = pow2_ceil(engine_cfg.max_num_seqs)
+        self.decode_row_buckets = sorted({1, *buckets_up_to(row_cap, MIN_TOKEN_BUCKET)})
         self.times = PhaseTimes()
         self.pages_per_seq = -(-self.max_model_len // self.page_size)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer else frozenset({cfg.eos_token_id} - {None})
@@ -277,8 +280,9 @@ class Engine:
 
     def decode_shape(self, num_rows: int) -> BatchShape:
         """The bucket of a multi-step call over `num_rows` sequences: one token per row (T == S), rows
-        rounded up to a power of two so batch-1 decode does not pay for max_num_seqs rows."""
-        rows = bucket(num_rows, MIN_TOKEN_BUCKET, self.decode_row_buckets[-1])
+        rounded up to a power of two (floor 16, and 1 for a lone sequence) so small batches do not pay
+        for max_num_seqs rows."""
+        rows = 1 if num_rows == 1 else bucket(num_rows, MIN_TOKEN_BUCKET, self.decode_row_buckets[-1])
         return BatchShape(tokens=rows, seqs=rows, pages_per_seq=self.pages_per_seq)
 
     def _apply_decodes(self, plan: StepPlan, out: Any, num_iterations: int) -> dict[str, RequestState]:
