@@ -92,7 +92,7 @@ def test_bench_writes_every_headline_key(bench_run):
     keys = list(result)[:10]
     assert keys == ["device", "decode_mbu_batch1", "decode_mbu_batch64", "prefill_mfu_4k", "offline_output_tok_s",
                     "offline_fraction_of_limit", "ratio_vs_hf", "recompiles_after_warmup", "warmup_s", "command"]
-    assert result["recompiles_after_warmup"] == 0
+    assert result["recompiles_after_warmup"] == 0 and "partial" not in result
     assert result["warmup_s"] > 0 and result["command"].startswith("jaxinfer bench --grid 24x12:6")
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -125,3 +125,28 @@ def test_bench_sweep_decode_and_prefill_are_consistent(bench_run):
     assert result["prefill"]["tokens"] == 48 and result["prefill"]["mfu"] > 0
     text = report.table(result)
     assert "decode batch   1" in text and "offline         24/12" in text and "concurrency    4" in text
+
+
+def test_a_failed_section_is_recorded_and_the_rest_still_run(tmp_path, monkeypatch):
+    import argparse
+
+    from jaxinfer.bench import measure
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("profiler unavailable")
+
+    monkeypatch.setattr(measure, "decode_device_profile", broken)
+    out = tmp_path / "latest.json"
+    argv = ["--grid", "16x4:2", "--concurrency", "2", "--sweep-workload", "8x3", "--decode-batches", "1",
+            "--decode-ctx", "8", "--decode-steps", "4", "--prefill-tokens", "0", "--max-num-seqs", "4",
+            "--max-num-batched-tokens", "16", "--page-size", "4", "--num-pages", "64", "--dtype", "float32",
+            "--copy-gib", "0.001", "--matmul-n", "64", "--hf", "skip", "--plot", "none", "--out", str(out)]
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.model = tiny_config()
+    assert execute(args, argv) == 0
+    result = json.loads(out.read_text())
+    assert result["errors"] == [{"section": "decode_device", "error": "RuntimeError: profiler unavailable"}]
+    assert "decode_device" not in result and len(result["decode"]) == 1
+    assert result["grid"][0]["output_tokens"] == 8 and len(result["sweep"]) == 1

@@ -163,6 +163,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                           "matmul_tflops": rate / 1e12}
     print(json.dumps(result["ceilings"]), flush=True)
 
+    def save() -> None:  # after every measurement: a run cut short keeps what it measured
+        report.write({**result, "partial": True}, args.out)
+
     max_len = _max_model_len(args, workloads, sweep_shape)
     t = time.perf_counter()
     llm = LLM(args.model, random_weights=True, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
@@ -176,47 +179,57 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                         "max_model_len": max_len, "page_size": args.page_size, "kv_capacity_tokens": kv_tokens,
                         "decode_steps_per_call": args.decode_steps_per_call,
                         "attention_impl": llm.engine.runner.attention_impl,
-                        "weight_bytes_per_step": cost.weight_bytes_per_step}
+                        "weight_bytes_per_step": cost.weight_bytes_per_step,
+                        "warmup_breakdown": llm.engine.runner.precompile_times}
     print(json.dumps({"warmup_s": result["warmup_s"], **result["engine"]}), flush=True)
-
-    result["decode"] = []
-    for batch in args.decode_batches:
-        result["decode"].append(measure.decode_mbu(llm, cost, batch, args.decode_ctx, args.decode_steps, copy_bw))
-        print(json.dumps(result["decode"][-1]), flush=True)
-    result["decode_device"] = []
-    for batch in args.decode_batches:
-        result["decode_device"].append(measure.decode_device_profile(llm, cost, batch, args.decode_ctx, copy_bw))
-        print(json.dumps(result["decode_device"][-1]), flush=True)
-    if args.prefill_tokens > 0:
-        result["prefill"] = measure.prefill_mfu(llm, cost, args.prefill_tokens, rate)
-        print(json.dumps(result["prefill"]), flush=True)
 
     def limit(w: Workload) -> dict[str, Any]:
         return workload_limit(cost, w, kv_capacity_tokens=kv_tokens, max_num_seqs=args.max_num_seqs,
                               copy_bw=copy_bw, matmul_rate=rate)
 
-    result["grid"] = []
-    for w in workloads:
+    def offline(w: Workload) -> dict[str, Any]:
         r = {"workload": w.name, **measure.offline_throughput(llm, w), "limit": limit(w)}
-        r["fraction_of_limit"] = r["output_tok_s"] / r["limit"]["output_tok_s"]
-        result["grid"].append(r)
-        print(json.dumps({k: r[k] for k in ("workload", "num_prompts", "output_tok_s", "fraction_of_limit")}), flush=True)
-    if hf is not None:
-        ours = measure.offline_throughput(llm, hf_workload)
-        result["hf_comparison"] = {**hf_comparison(ours, hf, hf_workload), "limit": limit(hf_workload)}
-        print(json.dumps(result["hf_comparison"]), flush=True)
+        return {**r, "fraction_of_limit": r["output_tok_s"] / r["limit"]["output_tok_s"]}
 
-    result["sweep"] = []
-    for c in args.concurrency:
-        n = max(4, args.sweep_requests_per_slot * c)
-        w = fixed(sweep_in, sweep_out, n)
-        result["sweep"].append({"workload": w.name, **measure.serve_at_concurrency(llm, w, c)})
-        print(json.dumps({k: result["sweep"][-1][k] for k in ("concurrency", "output_throughput")}), flush=True)
+    def compare_hf() -> dict[str, Any]:
+        return {**hf_comparison(measure.offline_throughput(llm, hf_workload), hf, hf_workload), "limit": limit(hf_workload)}
+
+    sections: list[tuple[str, Any]] = [
+        *[("decode", lambda b=b: measure.decode_mbu(llm, cost, b, args.decode_ctx, args.decode_steps, copy_bw))
+          for b in args.decode_batches],
+        *[("decode_device", lambda b=b: measure.decode_device_profile(llm, cost, b, args.decode_ctx, copy_bw))
+          for b in args.decode_batches],
+        *([("prefill", lambda: measure.prefill_mfu(llm, cost, args.prefill_tokens, rate))] if args.prefill_tokens > 0 else []),
+        *[("grid", lambda w=w: offline(w)) for w in workloads],
+        *([("hf_comparison", compare_hf)] if hf is not None else []),
+        *[("sweep", lambda c=c: {"workload": sweep_shape.name, **measure.serve_at_concurrency(
+            llm, fixed(sweep_in, sweep_out, max(4, args.sweep_requests_per_slot * c)), c)}) for c in args.concurrency],
+    ]
+    for name, fn in sections:
+        try:
+            value = fn()
+        except Exception as e:  # one failed measurement must not cost the others
+            result.setdefault("errors", []).append({"section": name, "error": f"{type(e).__name__}: {e}"[:2000]})
+            print(f"{name}: FAILED: {type(e).__name__}: {e}", flush=True)
+            for rid in list(llm.engine.requests):  # leave the engine empty for the next section
+                llm.engine.abort(rid)
+            continue
+        if name in ("prefill", "hf_comparison"):
+            result[name] = value
+        else:
+            result.setdefault(name, []).append(value)
+        print(json.dumps({name: _brief(value)}), flush=True)
+        save()
 
     stats = llm.engine_stats()
     result["recompiles_after_warmup"] = stats["num_compiles_after_warmup"]
     result["engine_stats"] = stats
     return result
+
+
+def _brief(value: dict[str, Any]) -> dict[str, Any]:
+    """The scalar fields of a section, for the progress log."""
+    return {k: v for k, v in value.items() if isinstance(v, int | float | str)}
 
 
 def main(argv: list[str] | None = None) -> int:
