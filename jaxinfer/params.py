@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -98,11 +99,15 @@ def init_params(specs: Any, key: jax.Array | int, mesh: Mesh, rules: ShardingRul
     shardings = [rules.sharding(mesh, s.logical_axes) for s in leaves]
     keys = list(jax.random.split(key, len(leaves)))
 
-    def make(keys: list[jax.Array]) -> list[jax.Array]:
-        return [_draw(s, k) for s, k in zip(leaves, keys)]
-
-    arrays = jax.jit(make, out_shardings=shardings)(keys)
+    # One small program per distinct (spec, sharding), not one program for every weight: a Llama-3-8B has
+    # 291 weights but 9 distinct specs, and compiling one 291-output PRNG program took most of a minute.
+    arrays = [_drawer(s, sharding)(k) for s, sharding, k in zip(leaves, shardings, keys)]
     return jax.tree.unflatten(treedef, arrays)
+
+
+@functools.lru_cache(maxsize=256)
+def _drawer(spec: ParamSpec, sharding: NamedSharding) -> Callable[[jax.Array], jax.Array]:
+    return jax.jit(functools.partial(_draw, spec), out_shardings=sharding)
 
 
 def _init_on_host(specs: Any, seed: int, mesh: Mesh, rules: ShardingRules) -> Any:
