@@ -150,3 +150,20 @@ def test_a_failed_section_is_recorded_and_the_rest_still_run(tmp_path, monkeypat
     assert result["errors"] == [{"section": "decode_device", "error": "RuntimeError: profiler unavailable"}]
     assert "decode_device" not in result and len(result["decode"]) == 1
     assert result["grid"][0]["output_tokens"] == 8 and len(result["sweep"]) == 1
+
+
+def test_decode_mbu_survives_rows_that_decode_while_others_prefill():
+    # Rows prefilled early decode while the rest prefill; the measurement used to count tokens through
+    # engine.requests, which drops finished requests, and then waited forever. Now it tracks its own
+    # states, and the engine is left empty.
+    from jaxinfer import LLM
+    from jaxinfer.bench import measure
+
+    llm = LLM(tiny_config(), random_weights=True, max_num_seqs=8, max_num_batched_tokens=16, page_size=4,
+              num_pages=200, max_model_len=96, decode_steps_per_call=4, use_tqdm=False)
+    cost = ModelCost.of(llm.model_config, llm.dtype)
+    out = measure.decode_mbu(llm, cost, batch=6, ctx=24, steps=5, copy_bw=1e9)
+    assert out["batch"] == 6 and out["step_ms"] > 0 and not llm.has_unfinished()
+    prof = measure.decode_device_profile(llm, cost, batch=6, ctx=24, copy_bw=1e9)
+    assert prof["single_step_ms"] > 0 and not llm.has_unfinished()
+    assert llm.engine_stats()["num_compiles_after_warmup"] == 0

@@ -59,6 +59,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-only", default=None, metavar="JSON", help="run only the HF baseline and write it here")
     p.add_argument("--hf-prompts", type=int, default=64, help="1000/1000 prompts both stacks run for the ratio")
     p.add_argument("--hf-time-limit", type=float, default=240.0, help="seconds per HF mode before it is skipped")
+    p.add_argument("--stack-dump-every", type=float, default=0, help="seconds between Python stack dumps (0: off)")
     p.add_argument("--out", default="bench_results/latest.json")
     p.add_argument("--plot", default=None, help="PNG path (default: beside --out); 'none' skips it")
     p.add_argument("--plot-only", default=None, metavar="JSON", help="only draw the plot of an existing result")
@@ -173,6 +174,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
               memory_fraction=args.memory_fraction, num_pages=args.num_pages, decode_steps_per_call=args.decode_steps_per_call,
               compile_threads=args.compile_threads, use_tqdm=False)
     result["warmup_s"] = time.perf_counter() - t
+    result["slow_steps"] = watch_slow_steps(llm.engine)
     cost = ModelCost.of(llm.model_config, llm.dtype)
     kv_tokens = llm.engine.scheduler.stats()["total_pages"] * args.page_size
     result["engine"] = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
@@ -227,6 +229,27 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     return result
 
 
+def watch_slow_steps(engine: Any, threshold_s: float = 2.0) -> list[dict[str, Any]]:
+    """Log every engine step slower than `threshold_s` (with the compiles it triggered and the queue
+    sizes) into the returned list, which the result keeps: a stall shows where it happened."""
+    slow: list[dict[str, Any]] = []
+    step = engine.step
+
+    def timed_step() -> Any:
+        start, compiles = time.perf_counter(), engine.runner.num_compiles
+        out = step()
+        seconds = time.perf_counter() - start
+        if seconds > threshold_s:
+            stats = engine.scheduler.stats()
+            slow.append({"step": engine.num_steps, "seconds": seconds, "compiles": engine.runner.num_compiles - compiles,
+                         "running": stats["num_running"], "waiting": stats["num_waiting"]})
+            print("slow engine step:", json.dumps(slow[-1]), flush=True)
+        return out
+
+    engine.step = timed_step
+    return slow
+
+
 def _brief(value: dict[str, Any]) -> dict[str, Any]:
     """The scalar fields of a section, for the progress log."""
     return {k: v for k, v in value.items() if isinstance(v, int | float | str)}
@@ -241,6 +264,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def execute(args: argparse.Namespace, argv: list[str]) -> int:
+    if args.stack_dump_every > 0:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(args.stack_dump_every, repeat=True)
     if args.plot_only:
         result = json.loads(Path(args.plot_only).read_text())
         print(report.table(result))

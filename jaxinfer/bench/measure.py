@@ -140,14 +140,11 @@ def decode_mbu(llm: Any, cost: ModelCost, batch: int, ctx: int, steps: int, copy
     every sequence, whatever the number of engine calls (multi-step decode makes several per call).
     """
     engine = llm.engine
-    for prompt in prompts(fixed(ctx, steps, batch), llm.model_config.vocab_size, seed=batch):
-        engine.add_request(prompt, greedy(steps + 1 + 8))
+    states = _start_decoding(engine, prompts(fixed(ctx, steps, batch), llm.model_config.vocab_size, seed=batch))
 
     def generated() -> int:
-        return sum(len(s.token_ids) for r in engine.requests.values() for s in r.seqs)
+        return sum(len(s.seqs[0].token_ids) for s in states)
 
-    while generated() < batch:  # every prompt prefilled: each holds its first token
-        engine.step()
     start_tokens, before = generated(), llm.engine_stats()
     t = time.perf_counter()
     while generated() - start_tokens < steps * batch:
@@ -155,8 +152,8 @@ def decode_mbu(llm: Any, cost: ModelCost, batch: int, ctx: int, steps: int, copy
     elapsed = time.perf_counter() - t
     made = generated() - start_tokens
     delta = _stats_delta(llm, before)
-    while engine.has_unfinished():
-        engine.step()
+    for s in states:
+        engine.abort(s.request_id)
     step_s = elapsed / (made / batch)
     kv_bytes = batch * (ctx + steps / 2) * cost.kv_bytes_per_token  # mean context over the timed steps
     return {
@@ -168,6 +165,18 @@ def decode_mbu(llm: Any, cost: ModelCost, batch: int, ctx: int, steps: int, copy
         "mbu": (cost.weight_bytes_per_step + kv_bytes) / step_s / copy_bw,
         **delta,
     }
+
+
+def _start_decoding(engine: Any, batch: list[list[int]]) -> list[Any]:
+    """Queue `batch` and step until every request holds its first token; returns their states, which stay
+    valid after the engine drops a request. max_tokens is far beyond what any measurement waits for (rows
+    prefilled early decode while later ones prefill), so no request finishes while it is measured; the
+    caller aborts them."""
+    ids = [engine.add_request(p, greedy(engine.max_model_len - len(p))) for p in batch]
+    states = [engine.requests[rid] for rid in ids]
+    while any(not s.seqs[0].token_ids for s in states):
+        engine.step()
+    return states
 
 
 def prefill_mfu(llm: Any, cost: ModelCost, tokens: int, rate: float) -> dict[str, Any]:
@@ -187,9 +196,7 @@ def decode_device_profile(llm: Any, cost: ModelCost, batch: int, ctx: int, copy_
     step and for the multi-step call. Set beside the engine's own step time, the difference is host time.
     """
     engine, runner = llm.engine, llm.engine.runner
-    ids = [engine.add_request(p, greedy(64)) for p in prompts(fixed(ctx, 1, batch), llm.model_config.vocab_size, 7)]
-    while any(not engine.requests[r].seqs[0].token_ids for r in ids):
-        engine.step()
+    states = _start_decoding(engine, prompts(fixed(ctx, 1, batch), llm.model_config.vocab_size, 7))
     plan = engine.scheduler.schedule()  # every row decodes one token
     slots = engine._slot_rows(plan)
     step_args = engine._step_args(engine.batch_shape(len(plan.seqs)), plan.seqs, [], slots)
@@ -220,8 +227,8 @@ def decode_device_profile(llm: Any, cost: ModelCost, batch: int, ctx: int, copy_
         kernels = kernel_profile(lambda: [run_single() for _ in range(5)], calls=5)
     except Exception as e:  # the profiler needs CUPTI on GPUs; the timings above stand without it
         kernels = {"error": f"{type(e).__name__}: {e}"[:500]}
-    for rid in ids:
-        engine.abort(rid)
+    for state in states:
+        engine.abort(state.request_id)
     bytes_per_step = cost.weight_bytes_per_step + batch * ctx * cost.kv_bytes_per_token
     return {
         "batch": batch,
