@@ -431,9 +431,21 @@ def test_rows_with_nothing_left_still_return_valid_tokens():
     assert tokens[1] == np.nanargmax(logits[1]) and tokens[2] == EOS
 
 
+def test_top_alternatives_are_skipped_when_no_row_asks_for_them():
+    logits = random_logits(12, (S, V))
+    out = run(logits, SamplingArrays.from_params([Params(seed=i) for i in range(S)], S, V))
+    raw = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
+    tokens = np.asarray(out.tokens)
+    np.testing.assert_allclose(out.logprobs, raw[np.arange(S), tokens], rtol=1e-5)  # still exact
+    np.testing.assert_array_equal(out.ranks, 1 + (raw > raw[np.arange(S), tokens][:, None]).sum(-1))
+    assert not np.asarray(out.top_ids).any() and not np.asarray(out.top_logprobs).any()
+
+
 def test_logprobs_are_raw_model_logprobs_with_top_alternatives():
     logits = random_logits(11, (S, V))
-    params = [Params(seed=i, temperature=0.3 + i, logit_bias={i: 20.0}, repetition_penalty=2.0) for i in range(S)]
+    # One row asking for alternatives is enough for the whole batch to compute them.
+    params = [Params(seed=i, temperature=0.3 + i, logit_bias={i: 20.0}, repetition_penalty=2.0,
+                     logprobs=5 if i == 0 else None) for i in range(S)]
     out = run(logits, SamplingArrays.from_params(params, S, V), PenaltyState.from_tokens([[0, 1]] * S, [[2]] * S, S, V))
     raw = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum(-1, keepdims=True))
     tokens, k = np.asarray(out.tokens), out.top_ids.shape[1]
