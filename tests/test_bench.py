@@ -167,3 +167,11 @@ def test_decode_mbu_survives_rows_that_decode_while_others_prefill():
     prof = measure.decode_device_profile(llm, cost, batch=6, ctx=24, copy_bw=1e9)
     assert prof["single_step_ms"] > 0 and not llm.has_unfinished()
     assert llm.engine_stats()["num_compiles_after_warmup"] == 0
+
+
+def test_limit_counts_the_longest_output_as_sequential_steps():
+    # One long request among short ones: its 1000 tokens take 1000 steps, each reading every weight.
+    cost = ModelCost.of(load_preset("llama-3-8b"))
+    w = Workload("tail", (100,) * 64, (1000,) + (10,) * 63)
+    lim = workload_limit(cost, w, kv_capacity_tokens=10**6, max_num_seqs=256, copy_bw=H100_COPY, matmul_rate=H100_MATMUL)
+    assert lim["memory_s"] >= 1000 * cost.weight_bytes_per_step / H100_COPY

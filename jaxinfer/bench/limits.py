@@ -2,7 +2,8 @@
 
 The limit of a workload is max(bytes read / copy bandwidth, FLOPs / matmul rate), where the bytes are the
 weights once per decode step plus every KV byte each generated token attends to, at the largest batch the
-KV cache (and max_num_seqs) allows. Its reciprocal throughput is the ceiling every figure is shown beside.
+KV cache (and max_num_seqs) allows. A mixed-length workload needs at least as many decode steps as its
+longest output. Its reciprocal throughput is the ceiling every figure is shown beside.
 """
 
 from __future__ import annotations
@@ -68,7 +69,9 @@ def workload_limit(
     mean_len = (workload.input_tokens + workload.output_tokens) / workload.num_prompts
     batch = max(1, min(workload.num_prompts, max_num_seqs, int(kv_capacity_tokens // mean_len)))
     context = attended_context(workload)
-    steps = workload.output_tokens / batch  # decode steps at a full batch; each reads the weights once
+    # Decode steps, each reading the weights once: at a full batch, but never fewer than the longest
+    # request's output, whose tokens come one step after another however many requests run beside it.
+    steps = max(workload.output_tokens / batch, max(workload.output_lens))
     bytes_read = steps * cost.weight_bytes_per_step + context * cost.kv_bytes_per_token
     forward_tokens = workload.input_tokens + workload.output_tokens - workload.num_prompts
     prefill_pairs = sum(i * (i + 1) // 2 for i in workload.input_lens)  # causal

@@ -95,7 +95,7 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
     axes[0].set_xticks(list(xs), names)
     axes[0].set_ylabel("output tokens / s")
     axes[0].set_title("offline throughput")
-    axes[0].legend(fontsize=8)
+    axes[0].legend(fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.1), ncol=2)
 
     sweep = result.get("sweep", [])
     conc = [s["concurrency"] for s in sweep]
