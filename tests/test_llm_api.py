@@ -89,3 +89,20 @@ def _bad_temperature() -> SamplingParams:
     params = SamplingParams(temperature=0.5)
     object.__setattr__(params, "temperature", -1.0)
     return params
+
+
+def test_multi_step_engages_for_rows_at_different_page_offsets() -> None:
+    # Prompts of lengths 5..8 leave every row at a different offset in its 4-token pages. Without pages
+    # reserved ahead, the smallest room in any last page (often 1) bounded every call to one iteration.
+    kw = {**KW, "page_size": 4, "num_pages": 96}
+    multi = LLM(CFG, decode_steps_per_call=4, **kw)
+    prompts = [list(range(10, 10 + n)) for n in (5, 6, 7, 8)]
+    params = SamplingParams(temperature=0.0, max_tokens=17, ignore_eos=True)
+    outs = multi.generate(prompts, params)
+    single = LLM(CFG, decode_steps_per_call=1, warmup=False, **kw)
+    single.engine.runner = multi.engine.runner
+    assert [o.token_ids for o in single.generate(prompts, params)] == [o.token_ids for o in outs]
+    # 2 prefill steps (16-token budget), then 16 decode tokens at up to 4 per call.
+    assert multi.engine.num_steps <= 2 + 16 // 4 + 2 < single.engine.num_steps
+    stats = multi.engine_stats()
+    assert stats["free_pages"] == stats["total_pages"] and stats["num_compiles_after_warmup"] == 0

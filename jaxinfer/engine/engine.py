@@ -7,17 +7,19 @@ slots) that must survive preemption.
 
 Multi-step decode (`decode_steps_per_call` = N > 1): when a plan holds only decodes (one token each, no
 prefill chunk, no preemption), the runner runs up to N decode iterations in one device call. The scheduler
-reserved pages for one token only, so the call runs k = min(N, room) iterations, where room is the least
-number of free positions left in any row's last page (page size 1 or a full last page: k = 1, the single
-step path). The host then replays the k iterations through the ordinary path: `Scheduler.update` once per
-iteration with the plan the scheduler would have made (each still running row decodes its new token), so
-stop strings, detokenization, prefix-cache registration and LENGTH limits behave exactly as with N = 1.
-Tokens a row sampled after the host stopped it are dropped. Waiting requests are admitted at the next
-schedule(), i.e. at most k - 1 iterations later than with N = 1.
+reserved pages for one token, so rows whose last page has less room get pages reserved ahead
+(`Scheduler.reserve_lookahead`, free or evictable pages only); the call runs k = min(N, room) iterations,
+where room is the least number of free positions left in any row's pages (a row that could not get pages,
+or still finishing its prompt, bounds it). The host then replays the k iterations through the ordinary
+path: `Scheduler.update` once per iteration with the plan the scheduler would have made (each still
+running row decodes its new token), so stop strings, detokenization, prefix-cache registration and LENGTH
+limits behave exactly as with N = 1. Tokens a row sampled after the host stopped it are dropped. Waiting
+requests are admitted at the next schedule(), i.e. at most k - 1 iterations later than with N = 1.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterator, Sequence
@@ -247,7 +249,7 @@ class Engine:
         for entry in plan.seqs:
             state = self.requests[entry.key[0]]
             state.scheduled_time = state.scheduled_time or now
-        num_iterations = self._decode_iterations(plan)
+        plan, num_iterations = self._decode_iterations(plan)
         slot_rows = self._slot_rows(plan)
         self.times.add("schedule", t)
         if num_iterations > 1:
@@ -266,17 +268,30 @@ class Engine:
 
     # ------------------------------------------------------------------------------------ multi-step decode
 
-    def _decode_iterations(self, plan: StepPlan) -> int:
-        """Decode iterations one device call may run for `plan`: 1 unless it holds only decodes, and never
-        more than the free positions left in any row's last page (the scheduler reserved one token)."""
-        if self.decode_steps_per_call == 1 or plan.preempted:
-            return 1
-        room = self.decode_steps_per_call
+    def _decode_iterations(self, plan: StepPlan) -> tuple[StepPlan, int]:
+        """Decode iterations one device call may run for `plan`, and the plan with the pages they need.
+
+        1 unless the plan holds only decodes. A row whose last page has less room than N iterations gets
+        pages reserved ahead (`Scheduler.reserve_lookahead`); without them, rows at different page offsets
+        would leave the smallest room at about one token and multi-step decode would never engage at batch
+        sizes above a few. Rows still finishing their prompt (a fork may share their pages) are not
+        extended, and a row that cannot get pages bounds the call by its room."""
+        n = self.decode_steps_per_call
+        if n == 1 or plan.preempted:
+            return plan, 1
+        if any(e.num_new_tokens != 1 or not e.sample for e in plan.seqs):
+            return plan, 1
+        entries, room = [], n
         for e in plan.seqs:
-            if e.num_new_tokens != 1 or not e.sample:
-                return 1
+            if len(e.page_ids) * self.page_size - e.start_pos < n and self._is_generating(e):
+                e = e._replace(page_ids=self.scheduler.reserve_lookahead(e.key, e.start_pos + n))
             room = min(room, len(e.page_ids) * self.page_size - e.start_pos)
-        return room
+            entries.append(e)
+        return dataclasses.replace(plan, seqs=tuple(entries)), room
+
+    def _is_generating(self, entry: ScheduledSeq) -> bool:
+        """The row decodes a token it generated (its prompt, and any fork of it, is done)."""
+        return entry.start_pos >= len(self.requests[entry.key[0]].prompt_token_ids)
 
     def decode_shape(self, num_rows: int) -> BatchShape:
         """The bucket of a multi-step call over `num_rows` sequences: one token per row (T == S), rows

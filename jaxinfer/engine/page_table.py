@@ -159,26 +159,29 @@ def cow_page_needed(allocator: PageAllocator, pages: list[int], num_computed: in
 def reserve_slots(allocator: PageAllocator, pages: list[int], num_computed: int, num_new: int) -> list[PageCopy]:
     """Grow ``pages`` in place so positions ``num_computed .. num_computed + num_new - 1`` can be written.
 
-    If the partially filled page that receives the first new token is shared (after a fork), this sequence gets
-    a private copy of it and the returned ``PageCopy`` tells the device to copy before writing. All or nothing:
-    raises ``OutOfPages`` without changing anything if the pages are not available.
+    ``pages`` may already hold pages past ``num_computed`` (reserved ahead for multi-step decode); they are
+    used before new ones are taken. If the partially filled page that receives the first new token is shared
+    (after a fork), this sequence gets a private copy of it and the returned ``PageCopy`` tells the device to
+    copy before writing. All or nothing: raises ``OutOfPages`` without changing anything if the pages are not
+    available.
     """
     if num_new <= 0:
         return []
     page_size = allocator.page_size
-    if len(pages) != pages_for_tokens(num_computed, page_size):
+    if len(pages) < pages_for_tokens(num_computed, page_size):
         raise ValueError(f"page table has {len(pages)} pages for {num_computed} computed tokens")
     cow = cow_page_needed(allocator, pages, num_computed)
-    num_grow = pages_for_tokens(num_computed + num_new, page_size) - len(pages)
+    num_grow = max(0, pages_for_tokens(num_computed + num_new, page_size) - len(pages))
     if num_grow == 0 and not cow:
         return []  # the common decode case: room left in a private last page
     new_pages = allocator.allocate(num_grow + int(cow))
     copies: list[PageCopy] = []
     if cow:
+        index = num_computed // page_size  # the partially filled page the first new token lands in
         dst = new_pages.pop()
-        src = pages[-1]
+        src = pages[index]
         copies.append(PageCopy(src, dst))
-        pages[-1] = dst
+        pages[index] = dst
         allocator.free([src])  # the other sharers keep it
     pages.extend(new_pages)
     return copies

@@ -50,8 +50,9 @@ class ScheduledSeq(NamedTuple):
     key:        (request_id, seq index).
     token_ids:  the new tokens to run this step; their KV is written at positions start_pos .. kv_len - 1.
     start_pos:  absolute position of token_ids[0] (= tokens already in the cache for this sequence).
-    page_ids:   the sequence's page table after this step's growth; covers exactly kv_len positions
-                (len == ceil(kv_len / page_size)); never contains the trash page 0. Pad with 0 to width M.
+    page_ids:   the sequence's page table after this step's growth; covers kv_len positions (len ==
+                ceil(kv_len / page_size)), or more where pages were reserved ahead for multi-step decode;
+                never contains the trash page 0. Pad with 0 to width M.
     kv_len:     total KV length after the step (start_pos + len(token_ids)); ARCHITECTURE.md's kv_lens[s].
     sample:     whether the logits of the last new token are sampled into a token for this sequence
                 (true for decodes and for the chunk that reaches the end of prompt + recomputed output).
@@ -251,6 +252,21 @@ class Scheduler:
 
     def has_unfinished(self) -> bool:
         return bool(self._groups)
+
+    def reserve_lookahead(self, key: SeqKey, num_tokens: int) -> tuple[int, ...]:
+        """Give a decoding sequence pages for positions up to ``num_tokens`` (capped by max_model_len) ahead of
+        time, so one device call can run several decode iterations; takes only pages that are free or
+        evictable now, never preempting. Returns the page table, which callers use for this call's rows.
+        The extra pages are ordinary pages of the sequence: later steps fill them first, and freeing the
+        sequence frees them."""
+        seq = self._live(key)
+        if seq is None:
+            return ()
+        cap = min(pages_for_tokens(min(num_tokens, self.max_model_len), self.allocator.page_size), self.max_pages_per_seq)
+        take = min(cap - len(seq.page_ids), self.allocator.num_free)  # short of pages: fewer iterations
+        if take > 0:
+            seq.page_ids.extend(self.allocator.allocate(take))
+        return tuple(seq.page_ids)
 
     def get_group(self, request_id: str) -> SequenceGroup | None:
         return self._groups.get(request_id)

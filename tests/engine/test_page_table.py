@@ -100,6 +100,30 @@ def test_reserve_slots_grows_to_cover_new_tokens() -> None:
     assert len(pages) == 3
 
 
+def test_reserve_slots_uses_pages_reserved_ahead_first() -> None:
+    alloc = PageAllocator(num_pages=10, page_size=4)
+    pages: list[int] = []
+    reserve_slots(alloc, pages, 0, 3)
+    pages.extend(alloc.allocate(2))  # reserved ahead for multi-step decode: 12 positions in all
+    free = alloc.num_free
+    assert reserve_slots(alloc, pages, 3, 9) == [] and len(pages) == 3 and alloc.num_free == free
+    reserve_slots(alloc, pages, 12, 1)  # past them: grows as usual
+    assert len(pages) == 4 and alloc.num_free == free - 1
+    with pytest.raises(ValueError, match="2 pages for 9 computed tokens"):
+        reserve_slots(alloc, pages[:2], 9, 1)  # too few pages for what is computed is still an error
+
+
+def test_copy_on_write_replaces_the_page_written_not_the_last_one() -> None:
+    alloc = PageAllocator(num_pages=10, page_size=4)
+    parent: list[int] = []
+    reserve_slots(alloc, parent, 0, 6)
+    child = alloc.fork(parent)
+    ahead = alloc.allocate(1)[0]
+    child.append(ahead)  # a page beyond the shared partial one
+    copies = reserve_slots(alloc, child, 6, 1)
+    assert copies == [PageCopy(src=parent[1], dst=child[1])] and child[2] == ahead and child[0] == parent[0]
+
+
 def test_reserve_slots_is_all_or_nothing() -> None:
     alloc = PageAllocator(num_pages=3, page_size=4)
     pages: list[int] = []

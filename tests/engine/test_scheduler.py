@@ -440,3 +440,20 @@ def test_abort_before_the_fork_finishes_every_sequence_of_the_request() -> None:
     assert all(s.finish_reason is FinishReason.ABORT for s in group.seqs)
     assert [e.key for e in _step(sched).seqs] == [("b", 0)]
     assert_all_pages_free(sched)
+
+
+def test_lookahead_pages_are_capped_never_preempt_and_are_freed() -> None:
+    sched = _sched(num_pages=9, page_size=4, max_model_len=20, enable_prefix_caching=False)  # 8 usable pages
+    sched.add(SequenceGroup.create("a", [1, 2, 3], max_tokens=16))
+    sched.add(SequenceGroup.create("b", [4, 5, 6], max_tokens=16))
+    _step(sched)  # both prompts, one page each; both now decode their 4th token
+    pages = sched.reserve_lookahead(("a", 0), 3 + 100)  # capped at max_model_len: 5 pages in all
+    assert len(pages) == 5 and list(pages) == sched.get_group("a").parent.page_ids
+    assert sched.stats()["free_pages"] == 2
+    assert len(sched.reserve_lookahead(("b", 0), 3 + 100)) == 3  # what is free, and nobody is preempted
+    assert sched.stats()["num_preemptions"] == 0 and sched.stats()["free_pages"] == 0
+    plan = _step(sched)  # a's reserved pages are used, not grown again
+    assert len(next(e for e in plan.seqs if e.key == ("a", 0)).page_ids) == 5
+    sched.abort("a")
+    sched.abort("b")
+    assert_all_pages_free(sched)
