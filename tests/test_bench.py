@@ -137,10 +137,15 @@ def test_a_failed_section_is_recorded_and_the_rest_still_run(tmp_path, monkeypat
 
     monkeypatch.setattr(measure, "decode_device_profile", broken)
     out = tmp_path / "latest.json"
+    # A baseline result as hf_baseline.py writes it (values made up): 2 prompts of 1000/1000.
+    hf_json = tmp_path / "hf.json"
+    hf_json.write_text(json.dumps({"device": "cpu", "spec": {"throughput": [{"name": "1000/1000", "num_prompts": 2}]},
+                                   "best_output_tok_s": {"1000/1000": 0.5}, "best_mode": {"1000/1000": "static"}}))
     argv = ["--grid", "16x4:2", "--concurrency", "2", "--sweep-workload", "8x3", "--decode-batches", "1",
             "--decode-ctx", "8", "--decode-steps", "4", "--prefill-tokens", "0", "--max-num-seqs", "4",
-            "--max-num-batched-tokens", "16", "--page-size", "4", "--num-pages", "64", "--dtype", "float32",
-            "--copy-gib", "0.001", "--matmul-n", "64", "--hf", "skip", "--plot", "none", "--out", str(out)]
+            "--max-num-batched-tokens", "64", "--page-size", "16", "--num-pages", "200", "--dtype", "float32",
+            "--copy-gib", "0.001", "--matmul-n", "64", "--hf-json", str(hf_json), "--hf-prompts", "64",
+            "--max-model-len", "2048", "--plot", "none", "--out", str(out)]
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     args = parser.parse_args(argv)
@@ -150,6 +155,9 @@ def test_a_failed_section_is_recorded_and_the_rest_still_run(tmp_path, monkeypat
     assert result["errors"] == [{"section": "decode_device", "error": "RuntimeError: profiler unavailable"}]
     assert "decode_device" not in result and len(result["decode"]) == 1
     assert result["grid"][0]["output_tokens"] == 8 and len(result["sweep"]) == 1
+    hf = result["hf_comparison"]  # on the baseline's 2 prompts, not --hf-prompts 64
+    assert hf["num_prompts"] == 2 and hf["ratio"] == pytest.approx(hf["ours_output_tok_s"] / 0.5)
+    assert result["ratio_vs_hf"] == hf["ratio"]
 
 
 def test_decode_mbu_survives_rows_that_decode_while_others_prefill():

@@ -142,6 +142,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     hf: dict[str, Any] | None = None
     if args.hf_json:
         hf = json.loads(Path(args.hf_json).read_text())
+        ran = [w for w in (hf.get("spec") or {}).get("throughput", []) if w.get("name") == hf_workload.name]
+        if ran:  # compare on the prompts the baseline actually ran, whatever --hf-prompts says
+            hf_workload = fixed(1000, 1000, int(ran[0]["num_prompts"]))
     elif args.hf == "run" and isinstance(args.model, str) and args.model not in BUNDLED and is_alias(args.model):
         hf = run_hf(hf_spec(load_preset(str(args.model)), args, hf_workload))
     result["hf"] = hf
