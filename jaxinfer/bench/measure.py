@@ -145,17 +145,21 @@ def decode_mbu(llm: Any, cost: ModelCost, batch: int, ctx: int, steps: int, copy
     def generated() -> int:
         return sum(len(s.seqs[0].token_ids) for s in states)
 
-    start_tokens, before = generated(), llm.engine_stats()
+    start = [len(s.seqs[0].token_ids) for s in states]  # rows prefilled early are already ahead
+    start_tokens, before = sum(start), llm.engine_stats()
     t = time.perf_counter()
     while generated() - start_tokens < steps * batch:
         engine.step()
     elapsed = time.perf_counter() - t
-    made = generated() - start_tokens
+    end = [len(s.seqs[0].token_ids) for s in states]
+    made = sum(end) - start_tokens
     delta = _stats_delta(llm, before)
     for s in states:
         engine.abort(s.request_id)
     step_s = elapsed / (made / batch)
-    kv_bytes = batch * (ctx + steps / 2) * cost.kv_bytes_per_token  # mean context over the timed steps
+    # Each row's mean context over the timed tokens: its prompt, what it had, half of what it made.
+    context = sum(ctx + a + (b - a) / 2 for a, b in zip(start, end))
+    kv_bytes = context * cost.kv_bytes_per_token
     return {
         "batch": batch,
         "ctx": ctx,
