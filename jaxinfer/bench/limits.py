@@ -9,13 +9,13 @@ longest output. Its reciprocal throughput is the ceiling every figure is shown b
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax.numpy as jnp
 
 from jaxinfer.bench.workloads import Workload
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import family_for_config
+from jaxinfer.params import count_params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,7 @@ class ModelCost:
     @classmethod
     def of(cls, cfg: ModelConfig, dtype: jnp.dtype = jnp.bfloat16, kv_dtype: jnp.dtype | None = None) -> ModelCost:
         specs = family_for_config(cfg).param_specs(cfg, dtype)
-        total = sum(math.prod(s.shape) for s in _leaves(specs))
+        total = count_params(specs)
         head = cfg.vocab_size * cfg.hidden_size
         body = total - head - (0 if cfg.tie_word_embeddings else head)  # the embedding is not a matmul
         item = jnp.dtype(dtype).itemsize
@@ -41,19 +41,6 @@ class ModelCost:
             kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_size * kv_item,
             attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * cfg.head_size,
         )
-
-
-def _leaves(tree: object) -> list:
-    """ParamSpec leaves of a weights-shaped tree of specs (dataclasses, tuples, None)."""
-    if tree is None:
-        return []
-    if hasattr(tree, "shape") and hasattr(tree, "dtype"):
-        return [tree]
-    if dataclasses.is_dataclass(tree):
-        return [x for f in dataclasses.fields(tree) for x in _leaves(getattr(tree, f.name))]
-    if isinstance(tree, tuple | list):
-        return [x for item in tree for x in _leaves(item)]
-    raise TypeError(f"unexpected node {type(tree).__name__} in the parameter specs")
 
 
 def attended_context(workload: Workload) -> int:

@@ -119,6 +119,13 @@ def run_hf(spec: dict[str, Any]) -> dict[str, Any]:
         return json.loads(out_path.read_text())
 
 
+def run_baseline(args: argparse.Namespace) -> dict[str, Any]:
+    """HF transformers on --model's preset shape and the 1000/1000 comparison workload of --hf-prompts."""
+    from jaxinfer.presets import load_preset
+
+    return run_hf(hf_spec(load_preset(str(args.model)), args, fixed(1000, 1000, args.hf_prompts)))
+
+
 def hf_comparison(ours: dict[str, Any], hf: dict[str, Any], workload: Workload) -> dict[str, Any]:
     best = (hf.get("best_output_tok_s") or {}).get(workload.name)
     comparison = {"workload": workload.name, "num_prompts": workload.num_prompts,
@@ -130,7 +137,7 @@ def hf_comparison(ours: dict[str, Any], hf: dict[str, Any], workload: Workload) 
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    from jaxinfer.presets import BUNDLED, is_alias, load_preset
+    from jaxinfer.presets import BUNDLED, is_alias
 
     workloads = _workloads(args.grid)
     sweep_in, sweep_out = (int(x) for x in args.sweep_workload.split("x"))
@@ -146,7 +153,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         if ran:  # compare on the prompts the baseline actually ran, whatever --hf-prompts says
             hf_workload = fixed(1000, 1000, int(ran[0]["num_prompts"]))
     elif args.hf == "run" and isinstance(args.model, str) and args.model not in BUNDLED and is_alias(args.model):
-        hf = run_hf(hf_spec(load_preset(str(args.model)), args, hf_workload))
+        hf = run_baseline(args)
     result["hf"] = hf
 
     # JAX touches the device only from here on (its allocator takes most of the memory at first use).
@@ -277,9 +284,7 @@ def execute(args: argparse.Namespace, argv: list[str]) -> int:
         print("wrote", report.plot(result, args.plot or Path(args.plot_only).with_suffix(".png")))
         return 0
     if args.hf_only:
-        from jaxinfer.presets import load_preset
-
-        hf = run_hf(hf_spec(load_preset(str(args.model)), args, fixed(1000, 1000, args.hf_prompts)))
+        hf = run_baseline(args)
         hf["command"] = _command(argv)
         Path(args.hf_only).parent.mkdir(parents=True, exist_ok=True)
         Path(args.hf_only).write_text(json.dumps(hf, indent=1) + "\n")

@@ -129,6 +129,7 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
 
 def write(result: dict[str, Any], path: str | Path) -> None:
     """latest.json: the headline keys first, then every section in full."""
-    out = {**headline(result), **{k: v for k, v in result.items() if k not in headline(result)}}
+    head = headline(result)
+    out = {**head, **{k: v for k, v in result.items() if k not in head}}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=1) + "\n")
