@@ -58,6 +58,7 @@ class LLM:
         memory_fraction: float = 0.5,
         enable_prefix_caching: bool = True,
         decode_steps_per_call: int = 1,
+        overlap_decode: bool = True,
         compile_threads: int | None = None,
         attention_impl: str = "auto",
         interpret: bool = False,
@@ -78,6 +79,7 @@ class LLM:
         )
         self.cache_config = CacheConfig(page_size=page_size, num_pages=num_pages, memory_fraction=memory_fraction)
         self.decode_steps_per_call = decode_steps_per_call
+        self.overlap_decode = overlap_decode
         self.compile_threads = compile_threads
         checkpoint, preset = resolve_source(model)
         if checkpoint is None and not random_weights:
@@ -128,7 +130,8 @@ class LLM:
         self.engine = Engine(
             runner, self.tokenizer, self.engine_config, self.cache_config,
             enable_prefix_caching=prefix_caching, use_tqdm=use_tqdm,
-            decode_steps_per_call=self.decode_steps_per_call, compile_threads=self.compile_threads,
+            decode_steps_per_call=self.decode_steps_per_call, overlap_decode=self.overlap_decode,
+            compile_threads=self.compile_threads,
         )
         if warmup:
             self.engine.warmup()

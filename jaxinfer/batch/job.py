@@ -50,6 +50,7 @@ class EngineArgs(_FromDict):
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 256
     decode_steps_per_call: int = 1
+    overlap_decode: bool = True
     page_size: int = 16
     num_pages: int | None = None
     memory_fraction: float = 0.5

@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from --memory-fraction)")
     p.add_argument("--decode-steps-per-call", type=int, default=8)
     p.add_argument("--compile-threads", type=int, default=None)
+    p.add_argument("--no-overlap-decode", dest="overlap_decode", action="store_false",
+                   help="read every decode call back before launching the next (the engine overlaps by default)")
     p.add_argument("--grid", nargs="*", default=DEFAULT_GRID, help="INxOUT:N or sharegpt:N workloads")
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 128, 256])
     p.add_argument("--sweep-workload", default="1024x128", help="INxOUT of every sweep request")
@@ -182,7 +184,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     llm = LLM(args.model, random_weights=True, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
               memory_fraction=args.memory_fraction, num_pages=args.num_pages, decode_steps_per_call=args.decode_steps_per_call,
-              compile_threads=args.compile_threads, use_tqdm=False)
+              overlap_decode=args.overlap_decode, compile_threads=args.compile_threads, use_tqdm=False)
     result["warmup_s"] = time.perf_counter() - t
     result["slow_steps"] = watch_slow_steps(llm.engine)
     cost = ModelCost.of(llm.model_config, llm.dtype)
@@ -190,6 +192,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     result["engine"] = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                         "max_model_len": max_len, "page_size": args.page_size, "kv_capacity_tokens": kv_tokens,
                         "decode_steps_per_call": args.decode_steps_per_call,
+                        "overlap_decode": args.overlap_decode,
                         "attention_impl": llm.engine.runner.attention_impl,
                         "weight_bytes_per_step": cost.weight_bytes_per_step,
                         "warmup_breakdown": llm.engine.runner.precompile_times}

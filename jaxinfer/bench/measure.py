@@ -254,18 +254,17 @@ KERNEL_CLASSES = (  # substrings of device event names, checked in order
 )
 
 
-def kernel_profile(fn: Callable[[], Any], calls: int, top: int = 12) -> dict[str, Any]:
-    """Run `fn` under the JAX profiler and sum device event time per kernel name (per call of the step).
+def device_spans(fn: Callable[[], Any]) -> tuple[str, dict[str, float]]:
+    """Run `fn` once under the JAX profiler; (source, total ms per event name) from its Perfetto trace.
 
-    Reads the Perfetto JSON the profiler writes; on a GPU only the device's own events count (the host
-    threads are left out), on CPU there are no device events and the host's are summed instead.
+    On a GPU only the device's own events count (the host threads are left out): source "device". On CPU
+    there are no device events and the host's are summed instead: source "host".
     """
     import glob
     import gzip
     import json
     import tempfile
 
-    jax.block_until_ready(fn())
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             jax.block_until_ready(fn())
@@ -275,10 +274,18 @@ def kernel_profile(fn: Callable[[], Any], calls: int, top: int = 12) -> dict[str
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     device = {pid for pid, name in names.items() if "GPU" in name or "TPU" in name}
-    spans = [e for e in events if e.get("ph") == "X" and (e["pid"] in device or not device)]
     per_name: dict[str, float] = {}
-    for e in spans:
-        per_name[e["name"]] = per_name.get(e["name"], 0.0) + float(e.get("dur", 0.0)) / 1e3 / calls  # us -> ms
+    for e in events:
+        if e.get("ph") == "X" and (e["pid"] in device or not device):
+            per_name[e["name"]] = per_name.get(e["name"], 0.0) + float(e.get("dur", 0.0)) / 1e3  # us -> ms
+    return ("device" if device else "host"), per_name
+
+
+def kernel_profile(fn: Callable[[], Any], calls: int, top: int = 12) -> dict[str, Any]:
+    """Device time per kernel name, per call of the step, for `fn` running `calls` steps (after a warm run)."""
+    jax.block_until_ready(fn())
+    source, spans = device_spans(fn)
+    per_name = {name: ms / calls for name, ms in spans.items()}
     total = sum(per_name.values())
     classes = dict.fromkeys([c for c, _ in KERNEL_CLASSES] + ["other"], 0.0)
     for name, ms in per_name.items():
@@ -287,7 +294,7 @@ def kernel_profile(fn: Callable[[], Any], calls: int, top: int = 12) -> dict[str
         classes[cls] += ms
     ranked = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
     return {
-        "source": "device" if device else "host",
+        "source": source,
         "total_ms_per_call": total,
         "ms_per_call_by_class": classes,
         "top": [{"name": name[:120], "ms_per_call": ms, "share": ms / total if total else 0.0} for name, ms in ranked],

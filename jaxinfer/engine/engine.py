@@ -15,6 +15,14 @@ path: `Scheduler.update` once per iteration with the plan the scheduler would ha
 running row decodes its new token), so stop strings, detokenization, prefix-cache registration and LENGTH
 limits behave exactly as with N = 1. Tokens a row sampled after the host stopped it are dropped. Waiting
 requests are admitted at the next schedule(), i.e. at most k - 1 iterations later than with N = 1.
+
+Overlapped decode (`overlap_decode`, on by default): while nothing waits and the running sequences are the
+rows of the multi-step call in flight, the engine launches the call that continues it before reading it
+back. That call takes its input tokens and live-row mask from the device outputs of the one before
+(`MultiStepOutput.next_tokens`, `alive`), so the device runs it while the host replays the previous call.
+Rows the host stops in between run on harmlessly (their writes land in their own or the trash pages, and
+pages freed meanwhile are only handed out to work launched later); `_settled` drops their tokens. A new
+request therefore waits at most one more call than without overlap.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from jaxinfer.config import CacheConfig, EngineConfig, SamplingParams
 from jaxinfer.engine.batcher import MIN_TOKEN_BUCKET, BatchShape, SeqChunk, bucket, buckets_up_to, pack, pow2_ceil
 from jaxinfer.engine.detokenize import IncrementalDetokenizer
 from jaxinfer.engine.request import RequestState, SeqOutput
-from jaxinfer.engine.runner import DecodeInputs, ModelRunner, SampleInputs, StepBatch, StepOutput
+from jaxinfer.engine.runner import DecodeInputs, ModelRunner, MultiStepOutput, SampleInputs, StepBatch, StepOutput
 from jaxinfer.engine.sampling import (
     MAX_LOGPROBS,
     MAX_STOP_IDS,
@@ -100,6 +108,17 @@ class PenaltySlots:
             self._free.append(slot)
 
 
+@dataclasses.dataclass(frozen=True)
+class _InFlight:
+    """A multi-step decode call launched on the device whose results the host has not read yet."""
+
+    plan: StepPlan  # row j of the call is plan.seqs[j]; a continuation's input tokens are placeholders
+    num_iterations: int
+    inputs: SampleInputs  # host arrays it was launched with
+    decode: DecodeInputs  # host arrays, except `alive` of a continuation
+    out: MultiStepOutput  # device arrays
+
+
 class Engine:
     def __init__(
         self,
@@ -111,10 +130,13 @@ class Engine:
         enable_prefix_caching: bool = True,
         use_tqdm: bool = True,
         decode_steps_per_call: int = 1,
+        overlap_decode: bool = True,
         compile_threads: int | None = None,
     ) -> None:
         self.runner, self.tokenizer, self.use_tqdm = runner, tokenizer, use_tqdm
         self.decode_steps_per_call = _at_least_one("decode_steps_per_call", decode_steps_per_call)
+        self.overlap_decode = overlap_decode
+        self._inflight: _InFlight | None = None
         self.compile_threads = compile_threads  # None: half the host's cores
         cfg = runner.cfg
         self.vocab_size = cfg.vocab_size
@@ -147,6 +169,7 @@ class Engine:
         self._rng = np.random.default_rng()
         self._compiles_at_warmup: int | None = None
         self.num_steps = 0
+        self.num_overlapped_calls = 0  # decode calls launched before the host read the previous one
 
     # ------------------------------------------------------------------------------------------ shapes
 
@@ -232,39 +255,40 @@ class Engine:
         return state.to_output()
 
     def has_unfinished(self) -> bool:
+        # A decode call still in flight when nothing is unfinished holds only rows finished since its launch;
+        # the next step() reads it back and drops them.
         return self.scheduler.has_unfinished()
 
     # ------------------------------------------------------------------------------------------ stepping
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; outputs of every request that advanced (finished ones included)."""
-        t = time.perf_counter()
-        plan = self.scheduler.schedule()
-        for key in plan.preempted:
-            self.slots.release(key)
-        if not plan.seqs:
+        if self._inflight is None:
+            t = time.perf_counter()
+            plan = self.scheduler.schedule()
+            for key in plan.preempted:
+                self.slots.release(key)
+            if not plan.seqs:
+                self.times.add("schedule", t)
+                return []
+            now = time.monotonic()
+            for entry in plan.seqs:
+                state = self.requests[entry.key[0]]
+                state.scheduled_time = state.scheduled_time or now
+            plan, num_iterations = self._decode_iterations(plan)
+            slot_rows = self._slot_rows(plan)
             self.times.add("schedule", t)
-            return []
-        now = time.monotonic()
-        for entry in plan.seqs:
-            state = self.requests[entry.key[0]]
-            state.scheduled_time = state.scheduled_time or now
-        plan, num_iterations = self._decode_iterations(plan)
-        slot_rows = self._slot_rows(plan)
-        self.times.add("schedule", t)
-        if num_iterations > 1:
-            out = self._run_decodes(plan.seqs, plan.page_copies, slot_rows, num_iterations)
-            t = time.perf_counter()
-            touched = self._apply_decodes(plan, out, num_iterations)
-        else:
-            shape = self.batch_shape(plan.num_batched_tokens)
-            out = self._run(shape, plan.seqs, plan.page_copies, slot_rows)
-            t = time.perf_counter()
-            touched = self._apply(plan, out.sampled, out.prompt, range(len(plan.seqs)))
-        self.num_steps += 1
-        outputs = self._emit(touched)
-        self.times.add("apply", t)
-        return outputs
+            if num_iterations == 1:
+                shape = self.batch_shape(plan.num_batched_tokens)
+                out = self._run(shape, plan.seqs, plan.page_copies, slot_rows)
+                t = time.perf_counter()
+                touched = self._apply(plan, out.sampled, out.prompt, range(len(plan.seqs)))
+                self.num_steps += 1
+                outputs = self._emit(touched)
+                self.times.add("apply", t)
+                return outputs
+            self._inflight = self._dispatch_decodes(plan, slot_rows, num_iterations)
+        return self._retire_decodes()
 
     # ------------------------------------------------------------------------------------ multi-step decode
 
@@ -303,13 +327,29 @@ class Engine:
     def _apply_decodes(self, plan: StepPlan, out: Any, num_iterations: int) -> dict[str, RequestState]:
         """Replay the call's iterations through `_apply`, one scheduler update per iteration."""
         touched: dict[str, RequestState] = {}
-        rows: list[int] = list(range(len(plan.seqs)))
+        plan, rows = self._settled(plan)
         for i in range(num_iterations):
             sampled = SamplerOutput(*(a[i] for a in out.sampled))
             touched.update(self._apply(plan, sampled, None, rows))
             if i + 1 < num_iterations:
                 plan, rows = self._next_decodes(plan, rows, sampled.tokens, out.valid[i + 1])
         return touched
+
+    def _settled(self, plan: StepPlan) -> tuple[StepPlan, list[int]]:
+        """The rows of a call that the host still runs, now that the calls before it are applied.
+
+        A call dispatched ahead (overlapped decode) may hold rows the host has since finished (a stop string,
+        an abort) and placeholder input tokens; each kept entry gets its sequence's real last token."""
+        entries, rows = [], []
+        for row, e in enumerate(plan.seqs):
+            seq = self.scheduler.live(e.key) if e.key[0] in self.requests else None
+            if seq is None or seq.num_computed_tokens != e.start_pos:
+                continue
+            if len(e.token_ids) == 1:  # a decode: its input is the token at start_pos, now known
+                e = e._replace(token_ids=(seq.token_ids[e.start_pos],))
+            entries.append(e)
+            rows.append(row)
+        return StepPlan(tuple(entries), (), (), len(entries)), rows
 
     def _decode_args(
         self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int],
@@ -318,16 +358,79 @@ class Engine:
         batch, inputs = self._step_args(shape, entries, copies, slots)
         return batch, inputs, self._decode_inputs(shape, entries, num_iterations)
 
-    def _run_decodes(
-        self, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int], num_iterations: int
-    ) -> Any:
+    def _dispatch_decodes(self, plan: StepPlan, slots: list[int], num_iterations: int) -> _InFlight:
+        """Launch a multi-step decode call for `plan`; its results are read back later (`_retire_decodes`)."""
         t = time.perf_counter()
-        args = self._decode_args(self.decode_shape(len(entries)), entries, copies, slots, num_iterations)
+        args = self._decode_args(self.decode_shape(len(plan.seqs)), plan.seqs, plan.page_copies, slots, num_iterations)
+        self.times.add("prepare", t)
+        return self._launch(plan, num_iterations, *args)
+
+    def _launch(
+        self, plan: StepPlan, num_iterations: int, batch: StepBatch, inputs: SampleInputs, decode: DecodeInputs,
+    ) -> _InFlight:
+        self.penalties, out = self.runner.decode_steps(
+            self.penalties, batch, inputs, decode, max_steps=self.decode_steps_per_call)
+        return _InFlight(plan, num_iterations, inputs, decode, out)
+
+    def _retire_decodes(self) -> list[RequestOutput]:
+        """Read back the decode call in flight and hand its tokens to the requests. With overlap on, the call
+        that continues it is launched first, so the device runs it while the host does this call's work."""
+        call = self._inflight
+        t = time.perf_counter()
+        self._inflight = self._continuation(call) if self.overlap_decode else None
         t = self.times.add("prepare", t)
-        self.penalties, out = self.runner.decode_steps(self.penalties, *args, max_steps=self.decode_steps_per_call)
-        out = jax.device_get(out)
-        self.times.add("device", t)
-        return out
+        out = jax.device_get((call.out.sampled, call.out.valid))
+        t = self.times.add("device", t)
+        touched = self._apply_decodes(call.plan, MultiStepOutput(*out, None, None), call.num_iterations)
+        self.num_steps += 1
+        outputs = self._emit(touched)
+        self.times.add("apply", t)
+        return outputs
+
+    def _continuation(self, call: _InFlight) -> _InFlight | None:
+        """Launch the decode call that follows `call` before its tokens reach the host, or return None.
+
+        Only when nothing waits and every running sequence is one of the call's rows (what schedule() would
+        plan next is one more decode of each), and every row is past its prompt. The new call keeps the row
+        layout: input tokens and the rows still generating come from `call`'s device outputs, positions and
+        budgets advance by its iteration count, and pages are reserved ahead as for any multi-step call.
+        Rows the host has finished since are given budget 0; a row the host stops after this launch (a stop
+        string) runs on and its tokens are dropped when the call is applied (`_settled`).
+        """
+        n, k = self.decode_steps_per_call, call.num_iterations
+        if not self.scheduler.runs_only({e.key for e in call.plan.seqs}):
+            return None
+        budget = np.maximum(call.decode.budget - k, 0)  # [S]
+        entries, room, live = [], n, 0
+        for row, e in enumerate(call.plan.seqs):
+            start = e.start_pos + k
+            seq = self.scheduler.live(e.key)
+            if seq is None:
+                budget[row] = 0
+            elif e.start_pos < seq.num_prompt_tokens:
+                return None  # its prompt ended in `call`: a fork may share its pages (see _decode_iterations)
+            if budget[row] > 0:
+                pages = self.scheduler.reserve_lookahead(e.key, start + n)
+                room = min(room, len(pages) * self.page_size - start)
+                live += 1
+                entries.append(ScheduledSeq(e.key, (0,), start, pages, start + 1, True))
+            else:  # the row does not run (its writes go to the trash page): keep a packable entry
+                entries.append(e._replace(token_ids=(0,)))
+        # Once rows finish, let schedule() pack the rest into a smaller bucket (and admit what waits).
+        if live == 0 or room < 1 or self.decode_shape(live).seqs < self.decode_shape(len(entries)).seqs:
+            return None
+        num_iterations = min(room, n)
+        batch = self._pack(self.decode_shape(len(entries)), entries)
+        batch = dataclasses.replace(batch, token_ids=call.out.next_tokens)  # [S]: T == S in a decode bucket
+        # The same rows with the same knobs: only the PRNG step moves on, and the call's page copies are done.
+        prev = call.inputs
+        inputs = dataclasses.replace(
+            prev, sampling=dataclasses.replace(prev.sampling, step=np.asarray(prev.sampling.step) + k),
+            copy_src=np.zeros_like(prev.copy_src), copy_dst=np.zeros_like(prev.copy_dst))
+        decode = dataclasses.replace(call.decode, budget=budget, num_steps=np.asarray(num_iterations, np.int32),
+                                     alive=call.out.alive)
+        self.num_overlapped_calls += 1
+        return self._launch(StepPlan(tuple(entries), (), (), len(entries)), num_iterations, batch, inputs, decode)
 
     def _decode_inputs(self, shape: BatchShape, entries: Sequence[ScheduledSeq], num_iterations: int) -> DecodeInputs:
         budget = np.zeros(shape.seqs, np.int32)  # [S]
@@ -339,7 +442,8 @@ class Engine:
             # The device only needs to stop early; the host checks every stop id again, so truncating is safe.
             ids = state.stop_ids()[:MAX_STOP_IDS]
             stop_ids[row, : len(ids)] = ids
-        return DecodeInputs(budget=budget, stop_ids=stop_ids, num_steps=np.asarray(num_iterations, np.int32))
+        return DecodeInputs(budget=budget, stop_ids=stop_ids, num_steps=np.asarray(num_iterations, np.int32),
+                            alive=np.ones(shape.seqs, bool))
 
     def _next_decodes(
         self, plan: StepPlan, rows: list[int], tokens: np.ndarray, valid: np.ndarray
@@ -379,8 +483,10 @@ class Engine:
     def _step_args(
         self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int]
     ) -> tuple[StepBatch, SampleInputs]:
-        chunks = [SeqChunk(e.token_ids, e.start_pos, e.page_ids) for e in entries]
-        return pack(chunks, shape, self.page_size), self._sample_inputs(shape, entries, copies, slots)
+        return self._pack(shape, entries), self._sample_inputs(shape, entries, copies, slots)
+
+    def _pack(self, shape: BatchShape, entries: Sequence[ScheduledSeq]) -> StepBatch:
+        return pack([SeqChunk(e.token_ids, e.start_pos, e.page_ids) for e in entries], shape, self.page_size)
 
     def _run(
         self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int]
@@ -560,7 +666,7 @@ class Engine:
         stats = dict(self.scheduler.stats())
         after = None if self._compiles_at_warmup is None else self.runner.num_compiles - self._compiles_at_warmup
         stats.update(num_compiles_after_warmup=after, num_compiles=self.runner.num_compiles, num_steps=self.num_steps,
-                     step_time_s=dict(self.times.seconds))
+                     num_overlapped_calls=self.num_overlapped_calls, step_time_s=dict(self.times.seconds))
         return stats
 
 

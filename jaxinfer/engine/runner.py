@@ -82,11 +82,16 @@ class DecodeInputs:
     budget: jax.Array  # [S] int32 tokens each row may still generate (max_tokens, max_model_len); 0: padding
     stop_ids: jax.Array  # [S, E] int32 ids that end a row once min_tokens are out, padded with -1
     num_steps: jax.Array  # [] int32 iterations to run, <= max_steps (bounded by the rows' page room)
+    # [S] bool: the rows the previous call left generating, when this call continues it before the host has
+    # seen that call's tokens (Engine's overlapped decode); all True for a call planned from host state.
+    alive: jax.Array
 
 
 class MultiStepOutput(NamedTuple):
     sampled: SamplerOutput  # [N, S] per iteration
     valid: jax.Array  # [N, S] bool: the row sampled a real token in this iteration
+    next_tokens: jax.Array  # [S] int32 each row's input token for a call that continues this one
+    alive: jax.Array  # [S] bool rows still generating after this call (not stopped, budget left)
 
 
 class _DecodeCarry(NamedTuple):
@@ -206,7 +211,7 @@ class ModelRunner:
         real = jnp.arange(num_rows) < batch.md.num_seqs[0]  # [S]
         carry = _DecodeCarry(
             kv_cache, jax.tree.map(lambda a: a[inputs.slots], penalties), inputs.sampling,
-            batch.token_ids, batch.md.positions, real & (decode.budget > 0),
+            batch.token_ids, batch.md.positions, real & (decode.budget > 0) & decode.alive,
         )
 
         def body(carry: _DecodeCarry, i: jax.Array) -> tuple[_DecodeCarry, tuple[SamplerOutput, jax.Array]]:
@@ -220,7 +225,9 @@ class ModelRunner:
 
         carry, (sampled, valid) = jax.lax.scan(body, carry, jnp.arange(max_steps))  # outputs [N, S, ...]
         penalties = set_rows(penalties, inputs.slots, carry.rows)
-        return *self._pin_state(carry.kv_cache, penalties), MultiStepOutput(sampled, valid)
+        # Replicated like the host inputs they replace, so a continuation call's executable takes them as they are.
+        follow = jax.lax.with_sharding_constraint((carry.tokens, carry.active), replicated(self.mesh))
+        return *self._pin_state(carry.kv_cache, penalties), MultiStepOutput(sampled, valid, *follow)
 
     def _decode_iteration(
         self, weights: Any, c: _DecodeCarry, i: jax.Array, md0: AttentionMetadata, decode: DecodeInputs,

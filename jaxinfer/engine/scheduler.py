@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import bisect
 import heapq
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -267,6 +267,16 @@ class Scheduler:
         if take > 0:
             seq.page_ids.extend(self.allocator.allocate(take))
         return tuple(seq.page_ids)
+
+    def runs_only(self, keys: Collection[SeqKey]) -> bool:
+        """Nothing waits to be admitted and every running sequence is one of ``keys``: what ``schedule()``
+        would plan next is one more decode of each of them, so the engine may plan it itself, before the
+        results of the call in flight are known (overlapped decode)."""
+        return self._peek_waiting() is None and all(seq.key in keys for seq in self._running)
+
+    def live(self, key: SeqKey) -> Sequence | None:
+        """The sequence if it is still unfinished (not stopped, aborted or finished by length)."""
+        return self._live(key)
 
     def get_group(self, request_id: str) -> SequenceGroup | None:
         return self._groups.get(request_id)

@@ -1,0 +1,137 @@
+"""Overlapped decode: the engine launches the next multi-step call before reading the last one back.
+
+Every test compares an engine with `overlap_decode=True` against the same engine (same runner, same weights)
+with it off: the tokens, finish reasons and logprobs must be identical, whatever finishes rows on the device
+(budgets, stop ids) or only on the host (stop ids past the device's MAX_STOP_IDS, aborts).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import numpy as np
+import pytest
+
+from jaxinfer.config import CacheConfig, EngineConfig, SamplingParams
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.sampling import MAX_STOP_IDS
+from jaxinfer.outputs import RequestOutput
+import model_helpers
+
+CFG = model_helpers.tiny_config()
+STEPS = 4
+
+
+@functools.cache
+def runner(tp: int = 1):
+    return model_helpers.build_runner(CFG, tp=tp, seed=3, num_pages=96, page_size=4)
+
+
+def make_engine(overlap: bool, tp: int = 1, max_num_seqs: int = 8) -> Engine:
+    engine = Engine(
+        runner(tp), None, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=64, max_model_len=96),
+        CacheConfig(page_size=4), use_tqdm=False, decode_steps_per_call=STEPS, overlap_decode=overlap,
+    )
+    engine.warmup()
+    return engine
+
+
+def prompts(n: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(0, CFG.vocab_size, rng.integers(3, 14))] for _ in range(n)]
+
+
+def mixed_params(free: list[list[int]]) -> list[SamplingParams]:
+    """Rows that stop at different iterations, for every reason the engine knows. `free`: each row's tokens
+    without stops, from which the stop ids are picked so that they are hit."""
+    def unused(row: int) -> tuple[int, ...]:  # ids the row never samples: filler for the device's slots
+        return tuple(t for t in range(CFG.vocab_size) if t not in free[row])[:MAX_STOP_IDS]
+
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=23, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.9, seed=11, max_tokens=30, ignore_eos=True, logprobs=2),
+        SamplingParams(temperature=0.7, seed=5, max_tokens=17, ignore_eos=True, repetition_penalty=1.3),
+        SamplingParams(temperature=1.0, seed=7, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=1.0, seed=8, max_tokens=40, ignore_eos=True),
+        SamplingParams(temperature=0.8, seed=2, max_tokens=9, ignore_eos=True, frequency_penalty=0.5),
+        SamplingParams(temperature=0.8, seed=4, max_tokens=33, ignore_eos=True, min_tokens=6),
+    ]
+    if free:
+        stops = {3: (free[3][13],),  # the device sees it and stops the row
+                 4: unused(4) + (free[4][10],),  # past the device's MAX_STOP_IDS: only the host stops it
+                 6: (free[6][2], free[6][9])}  # held back under min_tokens, then a device stop
+        params = [dataclasses.replace(p, stop_token_ids=stops.get(i, ())) for i, p in enumerate(params)]
+    return params
+
+
+def run_to_completion(engine: Engine) -> dict[str, RequestOutput]:
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return final
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_overlapped_decode_gives_the_synchronous_results(tp: int) -> None:
+    ps = prompts(7)
+    sync, overlapped = make_engine(False, tp), make_engine(True, tp)
+    free = [o.outputs[0].token_ids for o in sync.generate(ps, mixed_params([]))]
+    want = sync.generate(ps, mixed_params(free))
+    got = overlapped.generate(ps, mixed_params(free))
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    assert [o.outputs[0].finish_reason for o in got] == [o.outputs[0].finish_reason for o in want]
+    # Logprobs agree to float32 noise: the synchronous engine packs surviving rows into new row positions.
+    for g, w in zip(got, want):
+        assert g.outputs[0].cumulative_logprob == pytest.approx(w.outputs[0].cumulative_logprob, rel=1e-4, abs=1e-5)
+        for g_top, w_top in zip(g.outputs[0].logprobs or [], w.outputs[0].logprobs or []):
+            assert g_top.keys() == w_top.keys()
+            assert list(g_top.values()) == pytest.approx(list(w_top.values()), rel=1e-4, abs=1e-5)
+    # Host-only stops and device stops both happened, and calls did overlap.
+    reasons = {str(o.outputs[0].finish_reason) for o in want}
+    assert len(reasons) == 2, reasons
+    stats = overlapped.stats()
+    assert stats["num_overlapped_calls"] > 0 and sync.stats()["num_overlapped_calls"] == 0
+    assert stats["num_compiles_after_warmup"] == 0
+    assert stats["free_pages"] == stats["total_pages"] and not overlapped.requests
+
+
+def test_n_greater_than_one_and_late_arrivals_match() -> None:
+    # A request arriving while a chain runs must wait at most one call, and forks must never be continued.
+    ps = prompts(5, seed=1)
+    params = SamplingParams(temperature=0.8, seed=9, max_tokens=21, ignore_eos=True)
+    results = []
+    for overlap in (False, True):
+        engine = make_engine(overlap, max_num_seqs=4)
+        ids = [engine.add_request(p, params) for p in ps[:3]]
+        for _ in range(3):
+            engine.step()
+        ids += [engine.add_request(ps[3], params), engine.add_request(ps[4], SamplingParams(
+            n=2, temperature=0.8, seed=1, max_tokens=13, ignore_eos=True))]
+        final = run_to_completion(engine)
+        results.append([[s.token_ids for s in final[i].outputs] for i in ids])
+        assert engine.stats()["free_pages"] == engine.stats()["total_pages"]
+    assert results[0] == results[1]
+
+
+def test_abort_while_a_call_is_in_flight() -> None:
+    ps = prompts(4, seed=2)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    sync = make_engine(False)
+    want = {o.request_id: o.outputs[0].token_ids for o in sync.generate(ps, params)}
+
+    engine = make_engine(True)
+    ids = [engine.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(ps)]
+    while engine._inflight is None or engine._inflight.plan.seqs[0].start_pos < len(ps[0]) + 2 * STEPS:
+        engine.step()
+    partial = engine.abort("r1")
+    assert partial is not None and partial.finished
+    assert partial.outputs[0].token_ids == want["req-1"][: len(partial.outputs[0].token_ids)]
+    final = run_to_completion(engine)
+    assert "r1" not in final
+    for i in (0, 2, 3):
+        assert final[f"r{i}"].outputs[0].token_ids == want[f"req-{i}"]
+    stats = engine.stats()
+    assert stats["free_pages"] == stats["total_pages"] and not engine.requests
