@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,34 @@ def load_model_tokenizer(checkpoint: Any, tokenizer: str | Path | None) -> Token
     return load_tokenizer(path)
 
 
+COMPILATION_CACHE_ENV = "JAXINFER_COMPILATION_CACHE"  # overrides the default directory of "auto"
+
+
+def default_compilation_cache_dir() -> Path:
+    return Path(os.environ.get(COMPILATION_CACHE_ENV) or Path.home() / ".cache" / "jaxinfer" / "xla")
+
+
+def use_compilation_cache(setting: str | Path | None) -> Path | None:
+    """Turn on JAX's persistent compilation cache; returns the directory in use, or None.
+
+    "auto": on GPU and TPU, where compiling the buckets is most of warmup, the directory of
+    `default_compilation_cache_dir()` (a second start with the same shapes loads the executables instead of
+    compiling them); off on CPU. A path: that directory. None: leave JAX's setting alone. JAX treats the
+    cache as trusted code, so it must be a directory only its user can write.
+    """
+    if setting is None:
+        return None
+    if setting == "auto":
+        if jax.default_backend() == "cpu":
+            return None
+        setting = default_compilation_cache_dir()
+    path = Path(setting).expanduser()
+    path.mkdir(parents=True, exist_ok=True, mode=0o700)
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)  # only what is worth loading
+    return path
+
+
 class LLM:
     """Offline generation over a jitted, paged, continuously batched engine."""
 
@@ -60,6 +89,7 @@ class LLM:
         decode_steps_per_call: int = 1,
         overlap_decode: bool = True,
         compile_threads: int | None = None,
+        compilation_cache_dir: str | Path | None = "auto",
         attention_impl: str = "auto",
         interpret: bool = False,
         random_weights: bool = False,
@@ -81,6 +111,7 @@ class LLM:
         self.decode_steps_per_call = decode_steps_per_call
         self.overlap_decode = overlap_decode
         self.compile_threads = compile_threads
+        self.compilation_cache_dir = use_compilation_cache(compilation_cache_dir)
         checkpoint, preset = resolve_source(model)
         if checkpoint is None and not random_weights:
             raise ConfigError(

@@ -51,6 +51,7 @@ class EngineArgs(_FromDict):
     max_num_batched_tokens: int = 256
     decode_steps_per_call: int = 1
     overlap_decode: bool = True
+    compilation_cache_dir: str | None = "auto"
     page_size: int = 16
     num_pages: int | None = None
     memory_fraction: float = 0.5

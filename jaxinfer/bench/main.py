@@ -44,6 +44,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-pages", type=int, default=None, help="KV pages (default: from --memory-fraction)")
     p.add_argument("--decode-steps-per-call", type=int, default=8)
     p.add_argument("--compile-threads", type=int, default=None)
+    p.add_argument("--compilation-cache", default="auto",
+                   help='persistent XLA cache directory; "auto" (~/.cache/jaxinfer/xla on GPU), or "none"')
     p.add_argument("--no-overlap-decode", dest="overlap_decode", action="store_false",
                    help="read every decode call back before launching the next (the engine overlaps by default)")
     p.add_argument("--grid", nargs="*", default=DEFAULT_GRID, help="INxOUT:N or sharegpt:N workloads")
@@ -84,6 +86,18 @@ def _max_model_len(args: argparse.Namespace, workloads: list[Workload], sweep: W
         return args.max_model_len
     need = [w.max_len for w in [*workloads, sweep]] + [args.decode_ctx + args.decode_steps + 16, args.prefill_tokens + 16]
     return -(-max(need) // args.page_size) * args.page_size
+
+
+def _cache_entries(setting: str | None) -> int:
+    """Files in the compilation cache directory `setting` resolves to (0 when off or absent)."""
+    import jax
+
+    from jaxinfer.llm import default_compilation_cache_dir
+
+    if setting is None or (setting == "auto" and jax.default_backend() == "cpu"):
+        return 0
+    path = default_compilation_cache_dir() if setting == "auto" else Path(setting).expanduser()
+    return sum(1 for p in path.rglob("*") if p.is_file()) if path.is_dir() else 0
 
 
 def hf_spec(cfg: Any, args: argparse.Namespace, workload: Workload) -> dict[str, Any]:
@@ -180,11 +194,14 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         report.write({**result, "partial": True}, args.out)
 
     max_len = _max_model_len(args, workloads, sweep_shape)
+    cache_dir = None if args.compilation_cache == "none" else args.compilation_cache
+    cached_before = _cache_entries(cache_dir)
     t = time.perf_counter()
     llm = LLM(args.model, random_weights=True, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
               memory_fraction=args.memory_fraction, num_pages=args.num_pages, decode_steps_per_call=args.decode_steps_per_call,
-              overlap_decode=args.overlap_decode, compile_threads=args.compile_threads, use_tqdm=False)
+              overlap_decode=args.overlap_decode, compile_threads=args.compile_threads, use_tqdm=False,
+              compilation_cache_dir=cache_dir)
     result["warmup_s"] = time.perf_counter() - t
     result["slow_steps"] = watch_slow_steps(llm.engine)
     cost = ModelCost.of(llm.model_config, llm.dtype)
@@ -195,7 +212,10 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                         "overlap_decode": args.overlap_decode,
                         "attention_impl": llm.engine.runner.attention_impl,
                         "weight_bytes_per_step": cost.weight_bytes_per_step,
-                        "warmup_breakdown": llm.engine.runner.precompile_times}
+                        "warmup_breakdown": llm.engine.runner.precompile_times,
+                        # A warmup that found executables in the cache did not compile them: say which it was.
+                        "compilation_cache": {"dir": str(llm.compilation_cache_dir or ""), "entries_before": cached_before,
+                                              "entries_after": _cache_entries(cache_dir)}}
     print(json.dumps({"warmup_s": result["warmup_s"], **result["engine"]}), flush=True)
 
     def limit(w: Workload) -> dict[str, Any]:

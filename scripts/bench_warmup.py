@@ -1,0 +1,58 @@
+"""Engine warmup, cold and then warm: the second start finds the executables the first one compiled in the
+persistent compilation cache (`LLM(compilation_cache_dir=...)`), so it only traces and loads them.
+
+    JAX_PLATFORMS=cuda PYTHONPATH=$PWD python3 scripts/bench_warmup.py --out $OUT/warmup.json
+
+The engine settings default to those of `jaxinfer bench` (Llama-3-8B shape, bf16, 256 rows, 4096-token
+budget, 8 decode iterations per call). The cache directory is a fresh temporary one unless --cache-dir says
+otherwise, so the first start is cold whatever ran before on the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import tempfile
+import time
+from pathlib import Path
+
+from jaxinfer import LLM
+
+
+def start(args: argparse.Namespace, cache_dir: str) -> dict:
+    t = time.perf_counter()
+    llm = LLM(args.model, random_weights=True, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
+              memory_fraction=args.memory_fraction, decode_steps_per_call=args.decode_steps_per_call,
+              compilation_cache_dir=cache_dir, use_tqdm=False)
+    record = {"warmup_s": time.perf_counter() - t, **llm.engine.runner.precompile_times,
+              "cache_files": sum(1 for p in Path(cache_dir).rglob("*") if p.is_file()),
+              "compiles_after_warmup": llm.engine_stats()["num_compiles_after_warmup"]}
+    del llm
+    gc.collect()
+    return record
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-3-8b")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--max-model-len", type=int, default=4112)
+    p.add_argument("--decode-steps-per-call", type=int, default=8)
+    p.add_argument("--memory-fraction", type=float, default=0.5)
+    p.add_argument("--cache-dir", default=None)
+    p.add_argument("--out", default="warmup.json")
+    args = p.parse_args()
+    cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="jaxinfer-xla-")
+    result = {"cache_dir": cache_dir}
+    for label in ("cold", "warm"):
+        result[label] = start(args, cache_dir)
+        print(json.dumps({label: result[label]}), flush=True)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
