@@ -150,6 +150,7 @@ def decode_mbu(llm: Any, cost: ModelCost, batch: int, ctx: int, steps: int, copy
     t = time.perf_counter()
     while generated() - start_tokens < steps * batch:
         engine.step()
+    engine.flush()  # the call launched last runs on (overlapped decode): its tokens count, so its time does too
     elapsed = time.perf_counter() - t
     end = [len(s.seqs[0].token_ids) for s in states]
     made = sum(end) - start_tokens
@@ -180,6 +181,7 @@ def _start_decoding(engine: Any, batch: list[list[int]]) -> list[Any]:
     states = [engine.requests[rid] for rid in ids]
     while any(not s.seqs[0].token_ids for s in states):
         engine.step()
+    engine.flush()  # callers may schedule by hand: no decode call may still be in flight
     return states
 
 

@@ -30,7 +30,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -116,7 +117,7 @@ class _InFlight:
     num_iterations: int
     inputs: SampleInputs  # host arrays it was launched with
     decode: DecodeInputs  # host arrays, except `alive` of a continuation
-    out: MultiStepOutput  # device arrays
+    launched: Future[tuple[PenaltyState, MultiStepOutput]]  # device arrays, once the launcher thread made the call
 
 
 class Engine:
@@ -137,6 +138,7 @@ class Engine:
         self.decode_steps_per_call = _at_least_one("decode_steps_per_call", decode_steps_per_call)
         self.overlap_decode = overlap_decode
         self._inflight: _InFlight | None = None
+        self._launcher = ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-decode")
         self.compile_threads = compile_threads  # None: half the host's cores
         cfg = runner.cfg
         self.vocab_size = cfg.vocab_size
@@ -368,27 +370,45 @@ class Engine:
     def _launch(
         self, plan: StepPlan, num_iterations: int, batch: StepBatch, inputs: SampleInputs, decode: DecodeInputs,
     ) -> _InFlight:
-        self.penalties, out = self.runner.decode_steps(
-            self.penalties, batch, inputs, decode, max_steps=self.decode_steps_per_call)
-        return _InFlight(plan, num_iterations, inputs, decode, out)
+        """Make the device call on the launcher thread. XLA's GPU runtime reads the loop and branch conditions
+        of the multi-step body back to the host, so the call itself returns only when the loop is (nearly)
+        done; made from this thread, it would block the host work it is meant to overlap. `self.penalties`
+        is handed over and comes back when the call is awaited (`_await`)."""
+        penalties, self.penalties = self.penalties, None
+        launched = self._launcher.submit(
+            self.runner.decode_steps, penalties, batch, inputs, decode, max_steps=self.decode_steps_per_call)
+        return _InFlight(plan, num_iterations, inputs, decode, launched)
 
-    def _retire_decodes(self) -> list[RequestOutput]:
+    def _await(self, call: _InFlight) -> MultiStepOutput:
+        self.penalties, out = call.launched.result()
+        return out
+
+    def flush(self) -> list[RequestOutput]:
+        """Read back the decode call in flight, if any, without launching one to follow it. Afterwards the
+        host's state is complete, for callers that drive the scheduler or the runner themselves."""
+        return self._retire_decodes(follow_on=False) if self._inflight is not None else []
+
+    def _retire_decodes(self, follow_on: bool = True) -> list[RequestOutput]:
         """Read back the decode call in flight and hand its tokens to the requests. With overlap on, the call
-        that continues it is launched first, so the device runs it while the host does this call's work."""
+        that continues it is prepared while it runs and launched as soon as it returns, so the device runs the
+        next call while the host does this call's work."""
         call = self._inflight
         t = time.perf_counter()
-        self._inflight = self._continuation(call) if self.overlap_decode else None
+        follow = self._continuation(call) if self.overlap_decode and follow_on else None
         t = self.times.add("prepare", t)
-        out = jax.device_get((call.out.sampled, call.out.valid))
+        out = self._await(call)
+        self._inflight = follow(out) if follow is not None else None
+        sampled, valid = jax.device_get((out.sampled, out.valid))
         t = self.times.add("device", t)
-        touched = self._apply_decodes(call.plan, MultiStepOutput(*out, None, None), call.num_iterations)
+        touched = self._apply_decodes(call.plan, MultiStepOutput(sampled, valid, None, None), call.num_iterations)
         self.num_steps += 1
         outputs = self._emit(touched)
         self.times.add("apply", t)
         return outputs
 
-    def _continuation(self, call: _InFlight) -> _InFlight | None:
-        """Launch the decode call that follows `call` before its tokens reach the host, or return None.
+    def _continuation(self, call: _InFlight) -> Callable[[MultiStepOutput], _InFlight] | None:
+        """Prepare the decode call that follows `call` before its tokens reach the host; returns what launches
+        it from `call`'s device outputs, or None.
 
         Only when nothing waits and every running sequence is one of the call's rows (what schedule() would
         plan next is one more decode of each), and every row is past its prompt. The new call keeps the row
@@ -420,17 +440,21 @@ class Engine:
         if live == 0 or room < 1 or self.decode_shape(live).seqs < self.decode_shape(len(entries)).seqs:
             return None
         num_iterations = min(room, n)
+        plan = StepPlan(tuple(entries), (), (), len(entries))
         batch = self._pack(self.decode_shape(len(entries)), entries)
-        batch = dataclasses.replace(batch, token_ids=call.out.next_tokens)  # [S]: T == S in a decode bucket
         # The same rows with the same knobs: only the PRNG step moves on, and the call's page copies are done.
         prev = call.inputs
         inputs = dataclasses.replace(
             prev, sampling=dataclasses.replace(prev.sampling, step=np.asarray(prev.sampling.step) + k),
             copy_src=np.zeros_like(prev.copy_src), copy_dst=np.zeros_like(prev.copy_dst))
-        decode = dataclasses.replace(call.decode, budget=budget, num_steps=np.asarray(num_iterations, np.int32),
-                                     alive=call.out.alive)
-        self.num_overlapped_calls += 1
-        return self._launch(StepPlan(tuple(entries), (), (), len(entries)), num_iterations, batch, inputs, decode)
+        decode = dataclasses.replace(call.decode, budget=budget, num_steps=np.asarray(num_iterations, np.int32))
+
+        def launch(out: MultiStepOutput) -> _InFlight:
+            self.num_overlapped_calls += 1
+            return self._launch(plan, num_iterations, dataclasses.replace(batch, token_ids=out.next_tokens),  # T == S
+                                inputs, dataclasses.replace(decode, alive=out.alive))
+
+        return launch
 
     def _decode_inputs(self, shape: BatchShape, entries: Sequence[ScheduledSeq], num_iterations: int) -> DecodeInputs:
         budget = np.zeros(shape.seqs, np.int32)  # [S]
