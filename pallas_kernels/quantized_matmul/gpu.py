@@ -22,8 +22,10 @@ import jax.numpy as jnp
 from pallas_kernels.quantized_matmul.reference import PACK_CHUNK, QuantizedWeights, pad_activations
 
 _TILE_N = 64  # wgmma M: output channels per CTA
-_TILE_K_INT4 = 128  # K per pipeline step for int4: one packing chunk, one scale group
-_TILE_K_8BIT = 256  # int8/fp8: 16 KB of weights per step, fewer, larger copies
+_GROUP = PACK_CHUNK  # 128: the int4 packing chunk, and the one group size the kernel takes
+_TILE_K_INT4 = 512  # int4: 4 chunks (16 KB of weights) per pipeline step; a 128-wide step was bound by its
+                    # fixed per-step cost (copy wait, barrier, wgmma wait), not by the weight bytes
+_TILE_K_8BIT = 256  # int8/fp8: 16 KB of weights per step
 _MAX_TILE_M = 128
 _STAGES = 4
 _NUM_SMS = 132
@@ -37,22 +39,26 @@ def _transforms(dtype, minor: int):
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
-def _dequantized_halves(w_smem, s_smem, bits, grouped, dtype):
-    """The weight tile in registers as [(tile, k offset)]: one [64, 128] tile or two int4 halves."""
+def _dequantized_parts(w_refs, s_smem, bits, grouped, dtype):
+    """The step's weight tile in registers as [(tile, k offset)]: one [64, tile_k] tile for 8-bit, two
+    [64, 64] halves per 128-wide int4 chunk (one SMEM buffer each) otherwise."""
     if bits == 8:
-        w = w_smem[...]
+        w = w_refs[0][...]
         if w.dtype == jnp.float8_e4m3fn:
             # ptxas of CUDA 13.0 converts e4m3 only to f16 directly; through f32 is exact too.
             w = w.astype(jnp.float32)
         return [(w.astype(dtype), 0)]
-    # Mosaic GPU does no arithmetic on 8-bit registers: widen before unpacking the nibbles.
-    packed = w_smem[...].astype(jnp.int32)  # [64, 64]
-    halves = [((packed & 0xF).astype(jnp.float32) - 8.0, 0),
-              (((packed >> 4) & 0xF).astype(jnp.float32) - 8.0, PACK_CHUNK // 2)]
-    if grouped:
-        scale = jax.lax.broadcast_in_dim(s_smem[0, :], (_TILE_N, PACK_CHUNK // 2), [0])
-        halves = [(h * scale, off) for h, off in halves]
-    return [(h.astype(dtype), off) for h, off in halves]
+    parts = []
+    for c, w_ref in enumerate(w_refs):
+        # Mosaic GPU does no arithmetic on 8-bit registers: widen before unpacking the nibbles.
+        packed = w_ref[...].astype(jnp.int32)  # [64, 64]: element j low nibble, j + 64 high nibble
+        halves = [((packed & 0xF).astype(jnp.float32) - 8.0, c * _GROUP),
+                  (((packed >> 4) & 0xF).astype(jnp.float32) - 8.0, c * _GROUP + _GROUP // 2)]
+        if grouped:
+            scale = jax.lax.broadcast_in_dim(s_smem[c, :], (_TILE_N, _GROUP // 2), [0])  # [64] -> [64, 64]
+            halves = [(h * scale, off) for h, off in halves]
+        parts += [(h.astype(dtype), off) for h, off in halves]
+    return parts
 
 
 def _qmm_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, *, bits, grouped, k_steps_per_split,
@@ -63,28 +69,32 @@ def _qmm_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, *, bits, grouped, k_step
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     ni, ks, mi = (jax.lax.axis_index(a) for a in ("n", "k", "m"))
-    w_cols = tile_k // 2 if bits == 4 else tile_k
     k0 = ks * k_steps_per_split
+    # int4: one [64, 64]-byte weight block (one 128-wide chunk) per buffer, `chunks` of them per step.
+    chunks = tile_k // _GROUP if bits == 4 else 1
+    w_cols = _GROUP // 2 if bits == 4 else tile_k
 
-    def step(_, w_smem, x_smem, s_smem, acc_ref):
-        for w, off in _dequantized_halves(w_smem, s_smem, bits, grouped, x_smem.dtype):
+    def step(_, *refs, acc_ref):
+        w_refs, x_smem, s_smem = refs[:chunks], refs[chunks], refs[chunks + 1]
+        for w, off in _dequantized_parts(w_refs, s_smem, bits, grouped, x_smem.dtype):
             cols = w.shape[1]
             plgpu.wgmma(acc_ref, w, x_smem.at[:, pl.ds(off, cols)].transpose((1, 0)))
         plgpu.wgmma_wait(0)
+
+    w_specs = [plgpu.BlockSpec((_TILE_N, w_cols), lambda k, c=c: (ni, (k0 + k) * chunks + c),
+                               transforms=_transforms(w_gmem.dtype, w_cols)) for c in range(chunks)]
+    x_spec = plgpu.BlockSpec((tile_m, tile_k), lambda k: (mi, k0 + k), transforms=_transforms(x_gmem.dtype, tile_k))
+    # Grouped int4: the step's `chunks` group scales; otherwise one row (applied in the wrapper).
+    s_spec = (plgpu.BlockSpec((chunks, _TILE_N), lambda k: (k0 + k, ni)) if grouped
+              else plgpu.BlockSpec((1, _TILE_N), lambda k: (0, ni)))
 
     def acc_scope(acc_ref):
         plgpu.emit_pipeline(
             functools.partial(step, acc_ref=acc_ref),
             grid=(k_steps_per_split,),
-            in_specs=[
-                plgpu.BlockSpec((_TILE_N, w_cols), lambda k: (ni, k0 + k),
-                                transforms=_transforms(w_gmem.dtype, w_cols)),
-                plgpu.BlockSpec((tile_m, tile_k), lambda k: (mi, k0 + k),
-                                transforms=_transforms(x_gmem.dtype, tile_k)),
-                plgpu.BlockSpec((1, _TILE_N), lambda k: ((k0 + k) if grouped else 0, ni)),
-            ],
+            in_specs=[*w_specs, x_spec, s_spec],
             max_concurrent_steps=_STAGES,
-        )(w_gmem, x_gmem, s_gmem)
+        )(*[w_gmem] * chunks, x_gmem, s_gmem)
         return acc_ref[...]
 
     acc = pl.run_scoped(acc_scope, plgpu.ACC((_TILE_N, tile_m), jnp.float32))
@@ -93,6 +103,14 @@ def _qmm_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, *, bits, grouped, k_step
     plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[ks, pl.ds(ni * _TILE_N, _TILE_N),
                                               pl.ds(mi * tile_m, tile_m)])
     plgpu.wait_smem_to_gmem(0)
+
+
+def step_k(bits: int, kp: int) -> int:
+    """K per pipeline step: the largest of the preferred size's halvings down to 128 that divides Kp."""
+    tile_k = _TILE_K_INT4 if bits == 4 else _TILE_K_8BIT
+    while kp % tile_k:
+        tile_k //= 2
+    return tile_k
 
 
 def default_k_splits(n_tiles: int, k_steps: int) -> int:
@@ -105,9 +123,9 @@ def _check_supported(x, wq: QuantizedWeights) -> None:
     if wq.out_features % _TILE_N:
         raise NotImplementedError(f"GPU kernel needs N % {_TILE_N} == 0, got {wq.out_features}")
     grouped = wq.group_size != wq.padded_in_features
-    if grouped and (wq.bits != 4 or wq.group_size != _TILE_K_INT4):
+    if grouped and (wq.bits != 4 or wq.group_size != _GROUP):
         raise NotImplementedError(
-            f"GPU kernel supports per-channel int8/fp8 and int4 with group_size {_TILE_K_INT4} "
+            f"GPU kernel supports per-channel int8/fp8 and int4 with group_size {_GROUP} "
             f"or per channel; got bits={wq.bits}, group_size={wq.group_size}")
 
 
@@ -125,7 +143,7 @@ def quantized_matmul(x: jax.Array, wq: QuantizedWeights, *, interpret: bool = Fa
     mp = -(-mp // tile_m) * tile_m
     xp = jnp.pad(pad_activations(x, wq), ((0, mp - m), (0, 0))).astype(compute_dtype)  # [Mp, Kp]
     grouped = wq.group_size != kp
-    tile_k = _TILE_K_INT4 if wq.bits == 4 or kp % _TILE_K_8BIT else _TILE_K_8BIT
+    tile_k = step_k(wq.bits, kp)
     k_steps = kp // tile_k
     k_splits = k_splits or default_k_splits(n // _TILE_N, k_steps)
     kernel = functools.partial(_qmm_kernel, bits=wq.bits, grouped=grouped,

@@ -121,7 +121,8 @@ def test_auto_impl_and_shape_errors():
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, k, n, bits, group, fp8", [
     (1, 4096, 1024, 8, None, False), (13, 1000, 512, 8, None, False),
-    (64, 4096, 512, 4, 128, False), (5, 640, 256, 4, None, False), (8, 1024, 512, 8, None, True)])
+    (64, 4096, 512, 4, 128, False), (5, 640, 256, 4, None, False), (8, 1024, 512, 8, None, True),
+    (3, 768, 256, 4, 128, False), (1, 14336, 512, 4, 128, False)])  # int4 steps of 2 and 4 chunks
 def test_gpu_kernel_matches_reference(rng, m, k, n, bits, group, fp8):
     x, w = _inputs(rng, m, k, n, jnp.bfloat16)
     wq = quantize_weights(w, bits=bits, group_size=group, fp8=fp8)
