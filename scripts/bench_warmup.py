@@ -20,13 +20,14 @@ from pathlib import Path
 from jaxinfer import LLM
 
 
-def start(args: argparse.Namespace, cache_dir: str) -> dict:
+def start(args: argparse.Namespace, cache_dir: str, num_pages: int | None) -> dict:
     t = time.perf_counter()
     llm = LLM(args.model, random_weights=True, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_model_len=args.max_model_len, max_num_batched_tokens=args.max_num_batched_tokens,
-              memory_fraction=args.memory_fraction, decode_steps_per_call=args.decode_steps_per_call,
-              compilation_cache_dir=cache_dir, use_tqdm=False)
+              memory_fraction=args.memory_fraction, num_pages=num_pages,
+              decode_steps_per_call=args.decode_steps_per_call, compilation_cache_dir=cache_dir, use_tqdm=False)
     record = {"warmup_s": time.perf_counter() - t, **llm.engine.runner.precompile_times,
+              "num_pages": llm.engine.runner.kv_cache.k[0].shape[0],  # pages allocated, the trash page included
               "cache_files": sum(1 for p in Path(cache_dir).rglob("*") if p.is_file()),
               "compiles_after_warmup": llm.engine_stats()["num_compiles_after_warmup"]}
     del llm
@@ -48,8 +49,10 @@ def main() -> None:
     args = p.parse_args()
     cache_dir = args.cache_dir or tempfile.mkdtemp(prefix="jaxinfer-xla-")
     result = {"cache_dir": cache_dir}
+    num_pages = None  # the cold start sizes the cache; the warm one reuses it, so its shapes match exactly
     for label in ("cold", "warm"):
-        result[label] = start(args, cache_dir)
+        result[label] = start(args, cache_dir, num_pages)
+        num_pages = result[label]["num_pages"]
         print(json.dumps({label: result[label]}), flush=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -105,10 +105,21 @@ def _qmm_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, *, bits, grouped, k_step
     plgpu.wait_smem_to_gmem(0)
 
 
-def step_k(bits: int, kp: int) -> int:
-    """K per pipeline step: the largest of the preferred size's halvings down to 128 that divides Kp."""
+_SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper block may use, leaving room for Mosaic's barriers
+
+
+def _smem_bytes(bits: int, tile_m: int, tile_k: int) -> int:
+    """Shared memory of one CTA: `_STAGES` x (weights + activations + scale rows) plus the output tile."""
+    scale_rows = tile_k // _GROUP if bits == 4 else 1  # grouped int4: one row per chunk (the most it uses)
+    per_stage = _TILE_N * tile_k * bits // 8 + tile_m * tile_k * 2 + scale_rows * _TILE_N * 4
+    return _STAGES * per_stage + _TILE_N * tile_m * 4
+
+
+def step_k(bits: int, kp: int, tile_m: int = 8) -> int:
+    """K per pipeline step: the preferred size, halved (not below 128) until it divides Kp and the
+    pipeline fits in shared memory (wide activation tiles, M >= 32, take most of it)."""
     tile_k = _TILE_K_INT4 if bits == 4 else _TILE_K_8BIT
-    while kp % tile_k:
+    while tile_k > _GROUP and (kp % tile_k or _smem_bytes(bits, tile_m, tile_k) > _SMEM_BUDGET):
         tile_k //= 2
     return tile_k
 
@@ -143,7 +154,7 @@ def quantized_matmul(x: jax.Array, wq: QuantizedWeights, *, interpret: bool = Fa
     mp = -(-mp // tile_m) * tile_m
     xp = jnp.pad(pad_activations(x, wq), ((0, mp - m), (0, 0))).astype(compute_dtype)  # [Mp, Kp]
     grouped = wq.group_size != kp
-    tile_k = step_k(wq.bits, kp)
+    tile_k = step_k(wq.bits, kp, tile_m)
     k_steps = kp // tile_k
     k_splits = k_splits or default_k_splits(n // _TILE_N, k_steps)
     kernel = functools.partial(_qmm_kernel, bits=wq.bits, grouped=grouped,

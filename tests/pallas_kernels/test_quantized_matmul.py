@@ -118,11 +118,24 @@ def test_auto_impl_and_shape_errors():
         quantized_matmul(jnp.ones((2, 200)), wq, impl="reference")
 
 
+@pytest.mark.parametrize("bits", [4, 8])
+@pytest.mark.parametrize("k", [640, 4096, 14336])
+def test_kernel_step_fits_shared_memory_and_divides_k(bits, k):
+    from pallas_kernels.quantized_matmul import gpu
+
+    for m in (1, 8, 16, 32, 64, 128):
+        tile_k = gpu.step_k(bits, k + (-k) % 128, m)
+        assert (k + (-k) % 128) % tile_k == 0 and tile_k >= 128
+        assert gpu._smem_bytes(bits, m, tile_k) <= gpu._SMEM_BUDGET, (m, tile_k)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, k, n, bits, group, fp8", [
     (1, 4096, 1024, 8, None, False), (13, 1000, 512, 8, None, False),
     (64, 4096, 512, 4, 128, False), (5, 640, 256, 4, None, False), (8, 1024, 512, 8, None, True),
-    (3, 768, 256, 4, 128, False), (1, 14336, 512, 4, 128, False)])  # int4 steps of 2 and 4 chunks
+    (3, 768, 256, 4, 128, False), (1, 14336, 512, 4, 128, False),  # int4 steps of 2 and 4 chunks
+    # Wide M with N = 264 tiles (no split-K): a full 4-stage pipeline of wide activation tiles in SMEM.
+    (64, 4096, 16896, 4, 128, False), (128, 4096, 16896, 8, None, False)])
 def test_gpu_kernel_matches_reference(rng, m, k, n, bits, group, fp8):
     x, w = _inputs(rng, m, k, n, jnp.bfloat16)
     wq = quantize_weights(w, bits=bits, group_size=group, fp8=fp8)

@@ -1,0 +1,114 @@
+"""Where an engine step's wall time goes on the device: a JAX profiler trace of a few decode calls, reduced
+to the device's busy fraction, its idle gaps, and what the host threads were doing during the gaps.
+
+    JAX_PLATFORMS=cuda PYTHONPATH=$PWD python3 scripts/trace_engine.py --batch 64 --out $OUT/trace.json
+
+Runs the same decode twice, with overlapped decode off and on, after one shared warmup. The raw Perfetto
+traces are kept beside --out for a look in ui.perfetto.dev.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import gzip
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+
+from jaxinfer import LLM
+from jaxinfer.bench.measure import _start_decoding
+from jaxinfer.bench.workloads import fixed, prompts
+
+
+def _merge(spans: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for s, e in sorted(spans):
+        if out and s <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], e))
+        else:
+            out.append((s, e))
+    return out
+
+
+def summarize(events: list[dict], min_gap_us: float) -> dict:
+    """Device busy time and idle gaps (us) over the traced window, and the host events inside the gaps."""
+    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
+    device = {pid for pid, n in names.items() if "GPU" in n or "TPU" in n}
+    spans = [e for e in events if e.get("ph") == "X" and "dur" in e]
+    busy = _merge([(e["ts"], e["ts"] + e["dur"]) for e in spans if e["pid"] in device])
+    if not busy:
+        return {"error": "no device events in the trace"}
+    window = busy[-1][1] - busy[0][0]
+    gaps = [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] >= min_gap_us]
+    during: dict[str, float] = {}
+    for e in spans:
+        if e["pid"] in device:
+            continue
+        s, t = e["ts"], e["ts"] + e["dur"]
+        for g0, g1 in gaps:
+            overlap = min(t, g1) - max(s, g0)
+            if overlap > 0:
+                during[e["name"]] = during.get(e["name"], 0.0) + overlap
+    return {
+        "window_us": window,
+        "device_busy_us": sum(e - s for s, e in busy),
+        "busy_fraction": sum(e - s for s, e in busy) / window,
+        "gaps": len(gaps),
+        "gap_us_total": sum(g1 - g0 for g0, g1 in gaps),
+        "largest_gaps_us": sorted((g1 - g0 for g0, g1 in gaps), reverse=True)[:10],
+        "host_events_in_gaps_us": dict(sorted(during.items(), key=lambda kv: -kv[1])[:25]),
+    }
+
+
+def traced_decode(llm: LLM, batch: int, ctx: int, tokens: int, out_dir: Path, label: str, min_gap_us: float) -> dict:
+    engine = llm.engine
+    states = _start_decoding(engine, prompts(fixed(ctx, tokens, batch), llm.model_config.vocab_size, seed=batch))
+    for _ in range(2):  # into the steady state (a continuation in flight when overlapped)
+        engine.step()
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            steps = 0
+            while steps < 4:
+                steps += 1
+                engine.step()
+            engine.flush()
+        wall = time.perf_counter() - t
+        (path,) = glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)
+        shutil.copy(path, out_dir / f"trace_{label}.json.gz")
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    for s in states:
+        engine.abort(s.request_id)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return {"wall_s": wall, "engine_calls": steps, **summarize(events, min_gap_us)}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="llama-3-8b")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--ctx", type=int, default=1024)
+    p.add_argument("--min-gap-us", type=float, default=50.0)
+    p.add_argument("--decode-steps-per-call", type=int, default=8)
+    p.add_argument("--out", default="trace_engine.json")
+    args = p.parse_args()
+    out = Path(args.out)
+    llm = LLM(args.model, random_weights=True, dtype="bfloat16", max_num_seqs=max(16, args.batch),
+              max_num_batched_tokens=4096, max_model_len=args.ctx + 512, memory_fraction=0.5,
+              decode_steps_per_call=args.decode_steps_per_call, use_tqdm=False)
+    result = {"batch": args.batch, "ctx": args.ctx}
+    for label, overlap in (("sync", False), ("overlap", True)):
+        llm.engine.overlap_decode = overlap
+        result[label] = traced_decode(llm, args.batch, args.ctx, 400, out.parent, label, args.min_gap_us)
+        print(json.dumps({label: result[label]}), flush=True)
+    out.write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
