@@ -27,8 +27,10 @@ request therefore waits at most one more call than without overlap.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -107,6 +109,22 @@ class PenaltySlots:
         slot = self._of.pop(key, None)
         if slot is not None:
             self._free.append(slot)
+
+
+@contextlib.contextmanager
+def _prompt_gil_handoff(active: bool) -> Iterator[None]:
+    """While the host replays tokens (pure Python) beside a call in flight, let the launcher thread take the
+    GIL within 0.2 ms instead of Python's default 5 ms switch interval: the call needs it to return and the
+    next one to start, and a trace of overlapped decode showed the device idle in 5 ms gaps without this."""
+    if not active:
+        yield
+        return
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(min(interval, 2e-4))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(interval)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -375,8 +393,10 @@ class Engine:
         done; made from this thread, it would block the host work it is meant to overlap. `self.penalties`
         is handed over and comes back when the call is awaited (`_await`)."""
         penalties, self.penalties = self.penalties, None
+        # Transfer the host arrays here: the launcher thread then needs the GIL only briefly, to enter the call.
+        placed = self.runner.place((batch, inputs, decode))
         launched = self._launcher.submit(
-            self.runner.decode_steps, penalties, batch, inputs, decode, max_steps=self.decode_steps_per_call)
+            self.runner.decode_steps, penalties, *placed, max_steps=self.decode_steps_per_call)
         return _InFlight(plan, num_iterations, inputs, decode, launched)
 
     def _await(self, call: _InFlight) -> MultiStepOutput:
@@ -400,9 +420,10 @@ class Engine:
         self._inflight = follow(out) if follow is not None else None
         sampled, valid = jax.device_get((out.sampled, out.valid))
         t = self.times.add("device", t)
-        touched = self._apply_decodes(call.plan, MultiStepOutput(sampled, valid, None, None), call.num_iterations)
-        self.num_steps += 1
-        outputs = self._emit(touched)
+        with _prompt_gil_handoff(self._inflight is not None):
+            touched = self._apply_decodes(call.plan, MultiStepOutput(sampled, valid, None, None), call.num_iterations)
+            self.num_steps += 1
+            outputs = self._emit(touched)
         self.times.add("apply", t)
         return outputs
 

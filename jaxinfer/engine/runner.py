@@ -309,8 +309,8 @@ class ModelRunner:
         self.kv_cache, logits = self._logits_step(self.weights, self.kv_cache, batch)
         return logits
 
-    def place(self, batch: StepBatch) -> StepBatch:
-        """Host arrays -> device, replicated over the mesh (metadata is small)."""
+    def place(self, batch: Any) -> Any:
+        """Host arrays -> device, replicated over the mesh (metadata is small); device arrays stay as they are."""
         return jax.device_put(batch, replicated(self.mesh))
 
 
