@@ -27,6 +27,7 @@ request therefore waits at most one more call than without overlap.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import itertools
@@ -174,8 +175,11 @@ class Engine:
         self.token_buckets = buckets_up_to(pow2_ceil(engine_cfg.max_num_batched_tokens), MIN_TOKEN_BUCKET)
         # A single decoding sequence gets its own 1-row bucket: at M = 1 the weight matmuls are
         # matrix-vector products, which stream the weights faster than a 16-row GEMM does.
+        # Above 64 rows, 1.5x steps (96, 192, ...) too: 192 sequences in a 256-row bucket ran a third more
+        # rows through every matmul (H100, 1000/1000: 5,815 out tok/s at 192 prompts, 6,560 at 128).
         row_cap = pow2_ceil(engine_cfg.max_num_seqs)
-        self.decode_row_buckets = sorted({1, *buckets_up_to(row_cap, MIN_TOKEN_BUCKET)})
+        pow2 = buckets_up_to(row_cap, MIN_TOKEN_BUCKET)
+        self.decode_row_buckets = sorted({1, *pow2, *(b * 3 // 2 for b in pow2 if 64 <= b < row_cap)})
         self.times = PhaseTimes()
         self.pages_per_seq = -(-self.max_model_len // self.page_size)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer else frozenset({cfg.eos_token_id} - {None})
@@ -339,9 +343,10 @@ class Engine:
 
     def decode_shape(self, num_rows: int) -> BatchShape:
         """The bucket of a multi-step call over `num_rows` sequences: one token per row (T == S), rows
-        rounded up to a power of two (floor 16, and 1 for a lone sequence) so small batches do not pay
-        for max_num_seqs rows."""
-        rows = 1 if num_rows == 1 else bucket(num_rows, MIN_TOKEN_BUCKET, self.decode_row_buckets[-1])
+        rounded up to the next of `decode_row_buckets` (1; powers of two from 16; 1.5x steps above 64), so
+        small batches do not pay for max_num_seqs rows."""
+        buckets = self.decode_row_buckets
+        rows = buckets[min(bisect.bisect_left(buckets, num_rows), len(buckets) - 1)]
         return BatchShape(tokens=rows, seqs=rows, pages_per_seq=self.pages_per_seq)
 
     def _apply_decodes(self, plan: StepPlan, out: Any, num_iterations: int) -> dict[str, RequestState]:

@@ -135,3 +135,12 @@ def test_abort_while_a_call_is_in_flight() -> None:
         assert final[f"r{i}"].outputs[0].token_ids == want[f"req-{i}"]
     stats = engine.stats()
     assert stats["free_pages"] == stats["total_pages"] and not engine.requests
+
+
+def test_decode_row_buckets_add_one_and_a_half_steps_above_64() -> None:
+    engine = Engine(runner(), None, EngineConfig(max_num_seqs=256, max_num_batched_tokens=64, max_model_len=96),
+                    CacheConfig(page_size=4), use_tqdm=False, decode_steps_per_call=STEPS)
+    assert engine.decode_row_buckets == [1, 16, 32, 64, 96, 128, 192, 256]
+    rows = {n: engine.decode_shape(n).seqs for n in (1, 2, 16, 17, 64, 65, 96, 97, 129, 192, 193, 256)}
+    assert rows == {1: 1, 2: 16, 16: 16, 17: 32, 64: 64, 65: 96, 96: 96, 97: 128, 129: 192, 192: 192, 193: 256,
+                    256: 256}
