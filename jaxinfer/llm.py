@@ -43,6 +43,7 @@ def load_model_tokenizer(checkpoint: Any, tokenizer: str | Path | None) -> Token
 
 
 COMPILATION_CACHE_ENV = "JAXINFER_COMPILATION_CACHE"  # overrides the default directory of "auto"
+COMPILATION_CACHE_MAX_BYTES = 8 << 30
 
 
 def default_compilation_cache_dir() -> Path:
@@ -67,6 +68,9 @@ def use_compilation_cache(setting: str | Path | None) -> Path | None:
     path.mkdir(parents=True, exist_ok=True, mode=0o700)
     jax.config.update("jax_compilation_cache_dir", str(path))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)  # only what is worth loading
+    # Least recently used entries go beyond this: shapes change between jobs, and every new one adds
+    # executables of tens of megabytes.
+    jax.config.update("jax_compilation_cache_max_size", COMPILATION_CACHE_MAX_BYTES)
     return path
 
 

@@ -1,5 +1,7 @@
-"""Engine warmup, cold and then warm: the second start finds the executables the first one compiled in the
-persistent compilation cache (`LLM(compilation_cache_dir=...)`), so it only traces and loads them.
+"""Engine warmup, cold and then warm: the second start looks for the executables the first one compiled in
+the persistent compilation cache (`LLM(compilation_cache_dir=...)`), so it should only trace and load them.
+`cache_files` says whether it did: on CPU it does; on the H100 the bucket executables missed and were
+written again (docs/PERFORMANCE.md, log row 12).
 
     JAX_PLATFORMS=cuda PYTHONPATH=$PWD python3 scripts/bench_warmup.py --out $OUT/warmup.json
 

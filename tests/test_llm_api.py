@@ -106,3 +106,23 @@ def test_multi_step_engages_for_rows_at_different_page_offsets() -> None:
     assert multi.engine.num_steps <= 2 + 16 // 4 + 2 < single.engine.num_steps
     stats = multi.engine_stats()
     assert stats["free_pages"] == stats["total_pages"] and stats["num_compiles_after_warmup"] == 0
+
+
+def test_compilation_cache_setting(tmp_path, monkeypatch) -> None:
+    import jax
+
+    from jaxinfer.llm import COMPILATION_CACHE_ENV, default_compilation_cache_dir, use_compilation_cache
+
+    monkeypatch.setenv(COMPILATION_CACHE_ENV, str(tmp_path / "env-dir"))
+    assert default_compilation_cache_dir() == tmp_path / "env-dir"
+    before = {k: getattr(jax.config, k) for k in ("jax_compilation_cache_dir", "jax_compilation_cache_max_size",
+                                                  "jax_persistent_cache_min_compile_time_secs")}
+    try:
+        assert use_compilation_cache(None) is None and use_compilation_cache("auto") is None  # CPU: off
+        assert jax.config.jax_compilation_cache_dir == before["jax_compilation_cache_dir"]
+        path = use_compilation_cache(tmp_path / "cache")
+        assert path == tmp_path / "cache" and path.is_dir() and (path.stat().st_mode & 0o777) == 0o700
+        assert jax.config.jax_compilation_cache_dir == str(path)
+    finally:
+        for key, value in before.items():
+            jax.config.update(key, value)
