@@ -91,3 +91,13 @@ def run_chunks(runner: ModelRunner, ids: list[int], chunk: int, pages: list[int]
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
+
+
+def run_to_completion(engine: Any) -> dict[str, Any]:
+    """Step `engine` until nothing is unfinished; the final output of each request, by request id."""
+    final = {}
+    while engine.has_unfinished():
+        for out in engine.step():
+            if out.finished:
+                final[out.request_id] = out
+    return final

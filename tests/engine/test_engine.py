@@ -24,6 +24,7 @@ from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.scheduler import StepPlan
 from jaxinfer.outputs import FinishReason, RequestOutput
 import model_helpers
+from model_helpers import run_to_completion
 
 
 # Untied: with the tied tiny embedding the model echoes its input token with near-certainty, so greedy output
@@ -80,15 +81,6 @@ def assert_all_pages_free(engine: Engine) -> None:
     stats = engine.stats()
     assert stats["free_pages"] == stats["total_pages"]
     assert stats["num_running"] == stats["num_waiting"] == 0 and not engine.requests
-
-
-def run_to_completion(engine: Engine) -> dict[str, RequestOutput]:
-    final = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return final
 
 
 def record_plans(engine: Engine) -> list[StepPlan]:

@@ -16,8 +16,8 @@ import pytest
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingParams
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.sampling import MAX_STOP_IDS
-from jaxinfer.outputs import RequestOutput
 import model_helpers
+from model_helpers import run_to_completion
 
 CFG = model_helpers.tiny_config()
 STEPS = 4
@@ -63,15 +63,6 @@ def mixed_params(free: list[list[int]]) -> list[SamplingParams]:
                  6: (free[6][2], free[6][9])}  # held back under min_tokens, then a device stop
         params = [dataclasses.replace(p, stop_token_ids=stops.get(i, ())) for i, p in enumerate(params)]
     return params
-
-
-def run_to_completion(engine: Engine) -> dict[str, RequestOutput]:
-    final = {}
-    while engine.has_unfinished():
-        for out in engine.step():
-            if out.finished:
-                final[out.request_id] = out
-    return final
 
 
 @pytest.mark.parametrize("tp", [1, 2])
@@ -123,7 +114,8 @@ def test_abort_while_a_call_is_in_flight() -> None:
     want = {o.request_id: o.outputs[0].token_ids for o in sync.generate(ps, params)}
 
     engine = make_engine(True)
-    ids = [engine.add_request(p, params, request_id=f"r{i}") for i, p in enumerate(ps)]
+    for i, p in enumerate(ps):
+        engine.add_request(p, params, request_id=f"r{i}")
     while engine._inflight is None or engine._inflight.plan.seqs[0].start_pos < len(ps[0]) + 2 * STEPS:
         engine.step()
     partial = engine.abort("r1")
