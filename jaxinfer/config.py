@@ -151,19 +151,23 @@ class ModelConfig(_FromDict):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class MeshConfig(_FromDict):
-    """Device mesh shape. Axis sizes multiply to the number of devices used."""
+    """Device mesh shape of one engine replica (jaxinfer.sharding.MESH_AXES). Axis sizes multiply to the
+    number of devices it uses; `data` > 1 makes a mesh whose `data` slices are independent replicas."""
 
     data: int = 1
     tensor: int = 1
+    expert: int = 1
+    seq: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("data", "tensor"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"MeshConfig.{name} must be >= 1, got {getattr(self, name)}.")
+        for name in ("data", "tensor", "expert", "seq"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"MeshConfig.{name} must be an integer >= 1, got {value!r}.")
 
     @property
     def num_devices(self) -> int:
-        return self.data * self.tensor
+        return self.data * self.tensor * self.expert * self.seq
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

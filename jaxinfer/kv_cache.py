@@ -8,9 +8,9 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.sharding import Logical, ShardingRules
+from jaxinfer.sharding import Logical, ShardingRules, axis_size, cache_heads
 
-CACHE_AXES = (Logical.PAGES, Logical.PAGE_SLOT, Logical.KV_HEADS, Logical.HEAD_DIM)
+CACHE_AXES = (Logical.PAGES, Logical.PAGE_SLOT, Logical.KV_CACHE_HEADS, Logical.HEAD_DIM)
 
 
 @struct.dataclass
@@ -27,10 +27,10 @@ class KVCache:
         return self.k[0].shape[1]
 
 
-def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: jnp.dtype, num_kv_layers: int | None = None) -> int:
-    """Bytes one page costs across all layers (K and V)."""
-    layers = cfg.num_layers if num_kv_layers is None else num_kv_layers
-    return 2 * layers * page_size * cfg.num_kv_heads * cfg.head_size * jnp.dtype(dtype).itemsize
+def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: jnp.dtype, mesh: Mesh | None = None) -> int:
+    """Bytes one page costs on each device of `mesh`, across all layers (K and V); the whole page without one."""
+    heads_per_device = cache_heads(cfg, mesh) // axis_size(mesh, "tensor")
+    return 2 * cfg.num_layers * page_size * heads_per_device * cfg.head_size * jnp.dtype(dtype).itemsize
 
 
 def cache_sharding(mesh: Mesh, rules: ShardingRules) -> NamedSharding:
@@ -40,8 +40,9 @@ def cache_sharding(mesh: Mesh, rules: ShardingRules) -> NamedSharding:
 def allocate_kv_cache(
     cfg: ModelConfig, num_pages: int, page_size: int, dtype: jnp.dtype, mesh: Mesh, rules: ShardingRules
 ) -> KVCache:
-    """Zeroed cache created directly with its sharding (kv heads split over `tensor` when they divide)."""
-    shape = (num_pages, page_size, cfg.num_kv_heads, cfg.head_size)  # [P, R, K, H]
+    """Zeroed cache created directly with its sharding: split by head over `tensor` (replicated KV heads
+    count once per device that keeps one, see jaxinfer.sharding.HeadLayout)."""
+    shape = (num_pages, page_size, cache_heads(cfg, mesh), cfg.head_size)  # [P, R, Kc, H]
     sharding = cache_sharding(mesh, rules)
     make = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding)
     return KVCache(

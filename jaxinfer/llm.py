@@ -15,7 +15,7 @@ from jaxinfer.kv_cache import allocate_kv_cache, bytes_per_page
 from jaxinfer.models import family_for_config
 from jaxinfer.params import init_params
 from jaxinfer.presets import BUNDLED, bundled_checkpoint, is_alias, load_preset
-from jaxinfer.sharding import Logical, make_mesh, tensor_parallel_rules
+from jaxinfer.sharding import make_mesh, tensor_parallel_rules
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
 
 JNP_DTYPES = {DType.FLOAT32: jnp.float32, DType.BFLOAT16: jnp.bfloat16, DType.FLOAT16: jnp.float16}
@@ -144,9 +144,7 @@ class LLM:
         cache = self.cache_config
         if cache.num_pages is not None:
             return cache.num_pages
-        per_page = bytes_per_page(self.model_config, cache.page_size, self.dtype)
-        if self.rules.mapping.get(Logical.KV_HEADS) == "tensor":  # each device holds 1/tp of every page
-            per_page //= self.engine_config.tensor_parallel_size
+        per_page = bytes_per_page(self.model_config, cache.page_size, self.dtype, self.mesh)
         free = free_device_memory(self.mesh)
         return max(2, int(free * cache.memory_fraction) // per_page)
 

@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import struct
 from jax.sharding import Mesh
 
+from jaxinfer.attention import make_attention_fn
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.sampling import (
     MAX_LOGPROBS,
@@ -42,7 +43,7 @@ from jaxinfer.kv_cache import KVCache, cache_sharding
 from jaxinfer.models import ModelFamily
 from jaxinfer.models.common import AttentionMetadata, gather_last_tokens
 from jaxinfer.sharding import ShardingRules, replicated
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolve_impl
+from pallas_kernels.ragged_paged_attention import resolve_impl
 
 
 PROMPT_LOGPROB_CHUNK = 256  # positions whose full-vocabulary logits exist at once
@@ -103,21 +104,6 @@ class _DecodeCarry(NamedTuple):
     active: jax.Array  # [S] bool rows still generating
 
 
-def make_attention_fn(cfg: ModelConfig, impl: str, interpret: bool, **extra: Any) -> Any:
-    """Bind the kernel choice and static attention settings; the model calls it per layer."""
-    impl = resolve_impl(impl)  # resolve now: the platform is fixed for the runner's lifetime
-    # Gemma 3 scales queries by 1/sqrt(query_pre_attn_scalar), which differs from head_dim on the 27B.
-    sm_scale = extra.pop("sm_scale", (cfg.query_pre_attn_scalar or cfg.head_size) ** -0.5)
-
-    def attn(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata, **layer: Any) -> jax.Array:
-        return ragged_paged_attention(
-            q, k_pages, v_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
-            sm_scale=sm_scale, impl=impl, interpret=interpret, **{**extra, **layer},
-        )
-
-    return attn
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -138,7 +124,7 @@ class ModelRunner:
         # Executables compiled ahead of time by `precompile`, keyed by entry point and input shapes.
         self._executables: dict[tuple[Any, ...], Any] = {}
         self.precompile_times: dict[str, float] = {}  # the last `precompile`: trace and compile seconds
-        attn_fn = make_attention_fn(cfg, attention_impl, interpret)
+        attn_fn = make_attention_fn(cfg, attention_impl, interpret, mesh)
         self._logits_step = jax.jit(
             functools.partial(self._logits_step_impl, attn_fn=attn_fn),
             donate_argnums=(1,),

@@ -30,8 +30,10 @@ class AttentionMetadata:
     num_seqs: jax.Array  # [1] int32
 
 
-# (q [T, N, H], k_pages [P, R, K, H], v_pages [P, R, K, H], md) -> [T, N, H]
-AttentionFn = Callable[[jax.Array, jax.Array, jax.Array, AttentionMetadata], jax.Array]
+# Write this step's keys/values into the layer's cache, then attend (jaxinfer.attention builds it):
+# (q [T, N, H], k [T, K, H], v [T, K, H], k_pages [P, R, Kc, H], v_pages, md, **layer settings)
+#   -> (out [T, N, H], k_pages, v_pages)
+AttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, offset: float = 0.0) -> jax.Array:

@@ -48,7 +48,6 @@ from jaxinfer.models.common import (
     gated_mlp,
     rms_norm,
     rope_inv_freq,
-    write_kv,
 )
 from jaxinfer.params import Init, ParamSpec
 from jaxinfer.sharding import Logical as L
@@ -198,8 +197,7 @@ def attention_block(
     k = _norm(k, layer.k_norm, eps)
     q = apply_rope(q, md.positions, settings.inv_freq)
     k = apply_rope(k, md.positions, settings.inv_freq)
-    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
-    attn = attn_fn(q, k_pages, v_pages, md, **settings.kwargs)  # [T, N, H]
+    attn, k_pages, v_pages = attn_fn(q, k, v, k_pages, v_pages, md, **settings.kwargs)  # [T, N, H]
     out = jnp.einsum("tnh,nhd->td", attn, layer.wo)  # [T, D]
     return out, k_pages, v_pages
 

@@ -24,7 +24,6 @@ from jaxinfer.models.common import (
     gated_mlp,
     rms_norm,
     rope_inv_freq,
-    write_kv,
 )
 from jaxinfer.params import Init, ParamSpec
 from jaxinfer.sharding import Logical as L
@@ -104,8 +103,7 @@ def attention_block(
     v = jnp.einsum("td,dkh->tkh", x, layer.wv)  # [T, K, H]
     q = apply_rope(q, md.positions, inv_freq)
     k = apply_rope(k, md.positions, inv_freq)
-    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
-    attn = attn_fn(q, k_pages, v_pages, md)  # [T, N, H]
+    attn, k_pages, v_pages = attn_fn(q, k, v, k_pages, v_pages, md)  # [T, N, H]
     out = jnp.einsum("tnh,nhd->td", attn, layer.wo)  # [T, D]
     return out, k_pages, v_pages
 

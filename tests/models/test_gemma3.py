@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from jaxinfer.config import ConfigError, MeshConfig, ModelConfig, RopeScaling
-from jaxinfer.engine.runner import make_attention_fn
+from jaxinfer.attention import make_attention_fn
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.models import GEMMA3, family_for_gguf, family_for_hf
 from jaxinfer.models.common import AttentionMetadata

@@ -94,7 +94,7 @@ def _abstract_forward(cfg: ModelConfig, tokens: int = 256, seqs: int = 8, pages:
     i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
     md = AttentionMetadata(positions=i32(tokens), slot_mapping=i32(tokens), cu_q_lens=i32(seqs + 1),
                            kv_lens=i32(seqs), page_indices=i32(seqs, 16), num_seqs=i32(1))
-    from jaxinfer.engine.runner import make_attention_fn
+    from jaxinfer.attention import make_attention_fn
 
     attn = make_attention_fn(cfg, "reference", False)
     return jax.eval_shape(lambda w, t, m, c: LLAMA.forward(w, cfg, t, m, c, attn), weights, i32(tokens), md, cache)
