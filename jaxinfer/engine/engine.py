@@ -186,7 +186,7 @@ class Engine:
         self.slots = PenaltySlots(engine_cfg.max_num_seqs)
         # Placed on the mesh like the step's outputs, so the first step after warmup sees the same sharding.
         empty = PenaltyState.from_tokens([], [], engine_cfg.max_num_seqs + 1, cfg.vocab_size)
-        self.penalties = jax.device_put(empty, replicated(runner.mesh))
+        self.penalties = jax.device_put(empty, runner.penalty_sharding())
         self._reset_rows = jax.jit(set_rows, donate_argnums=(0,))
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import struct
-from jax.sharding import Mesh
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.attention import make_attention_fn
 from jaxinfer.config import ModelConfig
@@ -34,6 +34,7 @@ from jaxinfer.engine.sampling import (
     PromptLogprobs,
     SamplerOutput,
     SamplingArrays,
+    VocabShards,
     compute_prompt_logprobs,
     sample,
     set_rows,
@@ -42,7 +43,7 @@ from jaxinfer.engine.sampling import (
 from jaxinfer.kv_cache import KVCache, cache_sharding
 from jaxinfer.models import ModelFamily
 from jaxinfer.models.common import AttentionMetadata, gather_last_tokens
-from jaxinfer.sharding import ShardingRules, replicated
+from jaxinfer.sharding import Logical, ShardingRules, replicated
 from pallas_kernels.ragged_paged_attention import resolve_impl
 
 
@@ -118,6 +119,8 @@ class ModelRunner:
     ) -> None:
         self.family, self.cfg, self.weights, self.kv_cache = family, cfg, weights, kv_cache
         self.mesh, self.rules = mesh, rules
+        # A vocabulary-parallel lm_head leaves the logits split over `tensor`; the sampler keeps them split.
+        self.vocab = VocabShards(mesh) if rules.mapping.get(Logical.VOCAB) == "tensor" else None
         self.attention_impl = resolve_impl(attention_impl)
         self.num_compiles = 0
         self._trace_lock = threading.Lock()
@@ -139,11 +142,17 @@ class ModelRunner:
             static_argnames=("max_steps",),
         )
 
+    def penalty_sharding(self) -> PenaltyState:
+        """Where the penalty state lives: output counts [S, V] split by vocabulary like the logits they
+        penalise (so the sampler never gathers them), the prompt bitmask [S, V/32] whole (it is small)."""
+        counts = P(None, self.vocab.axis) if self.vocab is not None else P()
+        return PenaltyState(prompt_bits=replicated(self.mesh), output_counts=NamedSharding(self.mesh, counts))
+
     def _pin_state(self, kv_cache: KVCache, penalties: PenaltyState) -> tuple[KVCache, PenaltyState]:
-        """Give the carried state the sharding it came in with. Left to XLA, the penalty rows come out split
-        over `tensor`, and an executable compiled ahead of time for replicated rows would refuse them."""
+        """Give the carried state the sharding it came in with, so an executable compiled ahead of time for
+        that sharding takes the next step's state as it is."""
         kv_cache = jax.lax.with_sharding_constraint(kv_cache, cache_sharding(self.mesh, self.rules))
-        return kv_cache, jax.lax.with_sharding_constraint(penalties, replicated(self.mesh))
+        return kv_cache, jax.lax.with_sharding_constraint(penalties, self.penalty_sharding())
 
     def _count_compile(self) -> None:
         with self._trace_lock:  # called only while tracing, i.e. once per new bucket shape
@@ -164,7 +173,7 @@ class ModelRunner:
         hidden, kv_cache = self.family.forward(weights, self.cfg, batch.token_ids, batch.md, kv_cache, attn_fn)
         logits = self.family.compute_logits(weights, self.cfg, gather_last_tokens(hidden, batch.logits_indices))
         rows = jax.tree.map(lambda a: a[inputs.slots], penalties)  # [S, ...] this step's rows
-        out = sample(logits, inputs.sampling, rows)
+        out = sample(logits, inputs.sampling, rows, vocab=self.vocab)
         rows = update_output_counts(rows, out.tokens, inputs.sample_mask)
         penalties = set_rows(penalties, inputs.slots, rows)
         prompt = jax.lax.cond(
@@ -182,7 +191,8 @@ class ModelRunner:
         c = min(t, PROMPT_LOGPROB_CHUNK)  # T is a power-of-two bucket, so c divides it
         chunks = (hidden.reshape(t // c, c, hidden.shape[-1]), next_ids.reshape(t // c, c))  # [T/C, C, D], [T/C, C]
         out = jax.lax.map(
-            lambda hc: compute_prompt_logprobs(self.family.compute_logits(weights, self.cfg, hc[0]), hc[1], MAX_LOGPROBS),
+            lambda hc: compute_prompt_logprobs(
+                self.family.compute_logits(weights, self.cfg, hc[0]), hc[1], MAX_LOGPROBS, self.vocab),
             chunks,
         )
         return jax.tree.map(lambda a: a.reshape(t, *a.shape[2:]), out)  # [T/C, C, ...] -> [T, ...]
@@ -221,7 +231,7 @@ class ModelRunner:
     ) -> tuple[_DecodeCarry, tuple[SamplerOutput, jax.Array]]:
         md = decode_metadata(c.positions, c.active, md0.page_indices, md0.num_seqs, c.kv_cache.page_size)
         hidden, kv_cache = self.family.forward(weights, self.cfg, c.tokens, md, c.kv_cache, attn_fn)  # [S, D]
-        out = sample(self.family.compute_logits(weights, self.cfg, hidden), c.sampling, c.rows)
+        out = sample(self.family.compute_logits(weights, self.cfg, hidden), c.sampling, c.rows, vocab=self.vocab)
         rows = update_output_counts(c.rows, out.tokens, c.active)
         # `step` counts tokens generated before this one, so this token is number step + 1.
         hit_stop = jnp.any(out.tokens[:, None] == decode.stop_ids, axis=-1)  # [S]

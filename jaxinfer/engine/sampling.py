@@ -18,9 +18,18 @@ z, so the sampler computes one threshold per row (the max of the three) and neve
   * top-k and top-p only need the largest few values: `lax.top_k(z, C)` over C candidates. top-k is exact
     when k <= C; top-p (renormalised over the top-k set, as in vLLM) is exact whenever the nucleus fits in
     C, which the candidate mass proves (mass of the C candidates >= top_p). When any row does not fit,
-    a `lax.cond` falls back to a full sort of the values for the whole batch: exact, same compile, only
-    slower that step. Ties at the cut value are all kept (vLLM's top-k keeps ties too).
+    a `lax.cond` falls back to finding the exact thresholds by bisection over the float order (32 masked
+    sums over the vocabulary each for top-k and top-p): same compile, only slower that step. Ties at the
+    cut value are all kept (vLLM's top-k keeps ties too).
   * top_p >= 1 and top_k <= 0 are off: no candidate work at all when no row of the batch needs it.
+
+Vocabulary-parallel logits. Under tensor parallelism the lm_head is split by vocabulary, so the logits
+arrive split over the mesh's `tensor` axis (`VocabShards`). Everything here is written so that no [S, V]
+array is gathered onto one device: reductions (max, logsumexp, argmax, ranks) become all-reduces of [S]
+(or [S, tp]) partials; the only top-k over the vocabulary, `_top_k`, takes each shard's top k inside a
+`shard_map` and merges the tp*k candidates; the exact fallback of top-k/top-p finds its threshold by
+bisection over the float order (32 masked sums, each an all-reduce of [S]) instead of sorting the vocabulary.
+The penalty counts are split by vocabulary like the logits (`PenaltyState`).
 
 Seeds. Each row carries threefry key data from its seed ([hi, lo] words of seed mod 2**64; for
 0 <= seed < 2**31 that is exactly `jax.random.PRNGKey(seed)`) and a step counter n = tokens already
@@ -55,6 +64,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import Mesh, PartitionSpec
 
 Array = jax.Array | np.ndarray
 
@@ -68,6 +78,14 @@ PENALTY_LIMIT = 2.0  # OpenAI's bound on presence/frequency penalties
 _BITS = 32  # prompt-presence bits per uint32 word
 _SEED_MOD = 2**64
 _PRNG_IMPL = "threefry2x32"
+
+
+@dataclasses.dataclass(frozen=True)
+class VocabShards:
+    """The vocabulary axis of the logits (and penalty counts) is split over `axis` of `mesh`."""
+
+    mesh: Mesh
+    axis: str = "tensor"
 
 
 def _get(p: Any, name: str, default: Any) -> Any:
@@ -368,24 +386,88 @@ def _threshold_from_sorted(vals: jax.Array, lse: jax.Array, top_k: jax.Array, to
     return jnp.maximum(thresh_k, thresh_p), k_fits & p_fits
 
 
+def _top_k(x: jax.Array, k: int, vocab: VocabShards | None) -> tuple[jax.Array, jax.Array]:
+    """lax.top_k over the last axis of x [S, V]: (values [S, k], ids [S, k]).
+
+    With a split vocabulary, each device takes the top k of its shard and the tp*k candidates (with their
+    global ids) are gathered and cut again: the global top k is among them, ties still go to the lower id,
+    and only [S, tp*k] crosses devices. XLA's own partitioning of TopK would gather all of [S, V].
+    """
+    if vocab is None:
+        return lax.top_k(x, k)
+
+    def per_shard(xs: jax.Array) -> tuple[jax.Array, jax.Array]:  # [S, V/tp] -> [S, k] twice
+        vals, ids = lax.top_k(xs, min(k, xs.shape[1]))  # [S, k'] of this shard
+        ids = ids + lax.axis_index(vocab.axis) * xs.shape[1]  # global vocabulary ids
+        vals = lax.all_gather(vals, vocab.axis, axis=1, tiled=True)  # [S, tp*k']
+        ids = lax.all_gather(ids, vocab.axis, axis=1, tiled=True)
+        top, pos = lax.top_k(vals, k)  # [S, k]
+        return top, jnp.take_along_axis(ids, pos, axis=1)
+
+    return jax.shard_map(per_shard, mesh=vocab.mesh, in_specs=PartitionSpec(None, vocab.axis),
+                         out_specs=PartitionSpec(), check_vma=False)(x)
+
+
+def _order_key(x: jax.Array) -> jax.Array:
+    """float32 -> uint32 with the same order (-inf lowest), so a threshold can be bisected exactly."""
+    bits = lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(bits >> 31 == 1, ~bits, bits | jnp.uint32(0x80000000))
+
+
+def _key_value(key: jax.Array) -> jax.Array:
+    bits = jnp.where(key >> 31 == 1, key & jnp.uint32(0x7FFFFFFF), ~key)
+    return lax.bitcast_convert_type(bits, jnp.float32)
+
+
+def _bisect(lo: jax.Array, hi: jax.Array, pred: Callable[[jax.Array], jax.Array]) -> jax.Array:
+    """The smallest key k in (lo, hi] with pred(value(k)) true, given pred false at lo, true at hi and
+    monotone between (all [S] uint32). 32 halvings pin it to one representable float."""
+
+    def body(_: jax.Array, bounds: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+        lo, hi = bounds
+        mid = lo + (hi - lo) // 2  # [S]; hi >= lo, so no overflow
+        ok = pred(_key_value(mid))
+        return jnp.where(ok, lo, mid), jnp.where(ok, mid, hi)
+
+    return lax.fori_loop(0, 32, body, (lo, hi))[1]
+
+
+def _bisected_threshold(z: jax.Array, top_k: jax.Array, top_p: jax.Array, k_on: jax.Array,
+                        p_on: jax.Array) -> jax.Array:
+    """The exact top-k/top-p threshold [S] of z [S, V] without sorting.
+
+    top-k: the k-th largest value is the largest t with count(z >= t) >= k. top-p (over the top-k set,
+    renormalised, as in vLLM): the sorted cut keeps every rank whose mass strictly above it is below
+    top_p and the ties of the last one, i.e. the threshold is the smallest value v with mass(z > v) <
+    top_p. Both predicates are monotone in t, so bisection over the float order finds those values exactly.
+    """
+    floor = jnp.full(z.shape[:1], _order_key(jnp.float32(-jnp.inf)))  # [S]
+    top = _order_key(jnp.max(z, axis=-1))  # [S]
+    # count(z >= t) < k, monotone false -> true; the answer is one key below the first true one.
+    fewer = lambda t: jnp.sum(z >= t[:, None], axis=-1) < top_k  # noqa: E731
+    thresh_k = jnp.where(k_on, _key_value(_bisect(floor, top + 1, fewer) - 1), -jnp.inf)  # [S]
+    in_k = z >= thresh_k[:, None]  # [S, V]
+    norm = _safe_logsumexp(jnp.where(in_k, z, -jnp.inf))  # [S]
+    probs = jnp.where(in_k, jnp.exp(z - norm[:, None]), 0.0)  # [S, V]
+    below = lambda t: jnp.sum(jnp.where(z > t[:, None], probs, 0.0), axis=-1) < top_p  # noqa: E731
+    thresh_p = jnp.where(p_on, _key_value(_bisect(floor, top, below)), -jnp.inf)  # [S]
+    return jnp.maximum(thresh_k, thresh_p)
+
+
 def _top_k_top_p_threshold(z: jax.Array, top_k: jax.Array, top_p: jax.Array, k_on: jax.Array,
-                           p_on: jax.Array, num_candidates: int) -> jax.Array:
-    """Threshold [S] from C candidates; a full sort of the batch only when some row's cut lies past C."""
+                           p_on: jax.Array, num_candidates: int, vocab: VocabShards | None) -> jax.Array:
+    """Threshold [S] from C candidates; the exact bisection only when some row's cut lies past C."""
     width = min(num_candidates, z.shape[1])
     lse = _safe_logsumexp(z)  # [S]
-    candidates = lax.top_k(z, width)[0]  # [S, C] descending
+    candidates = _top_k(z, width, vocab)[0]  # [S, C] descending
     thresh, fits = _threshold_from_sorted(candidates, lse, top_k, top_p, k_on, p_on)
     if width == z.shape[1]:
         return thresh
-
-    def full_sort() -> jax.Array:
-        ordered = jnp.flip(jnp.sort(z, axis=-1), axis=-1)  # [S, V] descending; values only, no argsort
-        return _threshold_from_sorted(ordered, lse, top_k, top_p, k_on, p_on)[0]
-
-    return lax.cond(jnp.all(fits), lambda: thresh, full_sort)
+    return lax.cond(jnp.all(fits), lambda: thresh, lambda: _bisected_threshold(z, top_k, top_p, k_on, p_on))
 
 
-def _filter_threshold(z: jax.Array, arrays: SamplingArrays, greedy: jax.Array, num_candidates: int) -> jax.Array:
+def _filter_threshold(z: jax.Array, arrays: SamplingArrays, greedy: jax.Array, num_candidates: int,
+                      vocab: VocabShards | None) -> jax.Array:
     """One threshold [S] on z combining top-k, top-p and min-p; tokens with z >= threshold stay."""
     # min-p keeps p >= min_p * p_max, i.e. z >= z_max + log(min_p); log(0) = -inf switches it off.
     thresh_min_p = jnp.max(z, axis=-1) + jnp.log(arrays.min_p)  # [S]
@@ -393,7 +475,7 @@ def _filter_threshold(z: jax.Array, arrays: SamplingArrays, greedy: jax.Array, n
     p_on = (arrays.top_p < 1.0) & ~greedy  # [S]
     thresh_kp = lax.cond(
         jnp.any(k_on | p_on),
-        lambda: _top_k_top_p_threshold(z, arrays.top_k, arrays.top_p, k_on, p_on, num_candidates),
+        lambda: _top_k_top_p_threshold(z, arrays.top_k, arrays.top_p, k_on, p_on, num_candidates, vocab),
         lambda: jnp.full(z.shape[:1], -jnp.inf, z.dtype),
     )
     return jnp.maximum(thresh_min_p, thresh_kp)  # [S]
@@ -410,17 +492,19 @@ def _gumbel_noise(key_data: jax.Array, step: jax.Array, vocab_size: int) -> jax.
     return jax.vmap(row_noise)(key_data, step)  # [S, V]
 
 
-def _sample_random(x: jax.Array, arrays: SamplingArrays, greedy: jax.Array, num_candidates: int) -> jax.Array:
+def _sample_random(x: jax.Array, arrays: SamplingArrays, greedy: jax.Array, num_candidates: int,
+                   vocab: VocabShards | None) -> jax.Array:
     """Temperature, filtering and Gumbel-max on processed logits x [S, V]; greedy rows take argmax(x)."""
     temperature = jnp.where(greedy, 1.0, arrays.temperature)  # [S] greedy rows: no division by ~0
     z = x / temperature[:, None]  # [S, V]
-    keep = z >= _filter_threshold(z, arrays, greedy, num_candidates)[:, None]  # [S, V]
+    keep = z >= _filter_threshold(z, arrays, greedy, num_candidates, vocab)[:, None]  # [S, V]
     noisy = jnp.where(keep, z + _gumbel_noise(arrays.key_data, arrays.step, x.shape[1]), -jnp.inf)  # [S, V]
     # An all -inf row (everything banned) has argmax 0: still a valid token id.
     return jnp.where(greedy, jnp.argmax(x, axis=-1), jnp.argmax(noisy, axis=-1)).astype(jnp.int32)  # [S]
 
 
-def _logprob_outputs(logits: jax.Array, ids: jax.Array, k: int, want_top: jax.Array | bool = True) -> tuple[jax.Array, ...]:
+def _logprob_outputs(logits: jax.Array, ids: jax.Array, k: int, want_top: jax.Array | bool = True,
+                     vocab: VocabShards | None = None) -> tuple[jax.Array, ...]:
     """Raw log_softmax: logprob [S] and 1-based rank [S] of `ids`, plus the top-k alternatives [S, k].
 
     The top-k runs only when `want_top`: XLA lowers it to a segmented radix sort of the whole vocabulary,
@@ -432,32 +516,35 @@ def _logprob_outputs(logits: jax.Array, ids: jax.Array, k: int, want_top: jax.Ar
     k = min(k, raw.shape[1])
     top_logprobs, top_ids = lax.cond(
         want_top,
-        lambda: tuple(lax.top_k(raw, k)),
+        lambda: tuple(_top_k(raw, k, vocab)),
         lambda: (jnp.zeros((raw.shape[0], k), raw.dtype), jnp.zeros((raw.shape[0], k), jnp.int32)),
     )  # [S, k]
     return chosen, top_ids.astype(jnp.int32), top_logprobs, ranks
 
 
 def sample(logits: jax.Array, arrays: SamplingArrays, penalties: PenaltyState | None = None, *,
-           max_logprobs: int = MAX_LOGPROBS, num_candidates: int = NUM_CANDIDATES) -> SamplerOutput:
-    """Sample one token per row of logits [S, V]. Jittable; `max_logprobs` and `num_candidates` are static,
-    every knob in `arrays` is data. `penalties=None` statically skips the penalty pass."""
+           max_logprobs: int = MAX_LOGPROBS, num_candidates: int = NUM_CANDIDATES,
+           vocab: VocabShards | None = None) -> SamplerOutput:
+    """Sample one token per row of logits [S, V]. Jittable; `max_logprobs`, `num_candidates` and `vocab`
+    (how the logits' vocabulary is split over devices, if at all) are static, every knob in `arrays` is
+    data. `penalties=None` statically skips the penalty pass."""
     x = process_logits(logits, arrays, penalties)  # [S, V]
     greedy = arrays.temperature < GREEDY_EPS  # [S]
     tokens = lax.cond(
         jnp.all(greedy),  # an all-greedy batch skips the RNG and filtering entirely
         lambda: jnp.argmax(x, axis=-1).astype(jnp.int32),
-        lambda: _sample_random(x, arrays, greedy, num_candidates),
+        lambda: _sample_random(x, arrays, greedy, num_candidates, vocab),
     )  # [S]
     want_top = jnp.any(arrays.num_top_logprobs > 0)
-    logprobs, top_ids, top_logprobs, ranks = _logprob_outputs(logits, tokens, max_logprobs, want_top)
+    logprobs, top_ids, top_logprobs, ranks = _logprob_outputs(logits, tokens, max_logprobs, want_top, vocab)
     return SamplerOutput(tokens, logprobs, top_ids, top_logprobs, ranks)
 
 
-def compute_prompt_logprobs(logits: jax.Array, next_ids: jax.Array, k: int) -> PromptLogprobs:
+def compute_prompt_logprobs(logits: jax.Array, next_ids: jax.Array, k: int,
+                            vocab: VocabShards | None = None) -> PromptLogprobs:
     """Logprob of each actual next prompt token next_ids [T] under logits [T, V], with the top-k [T, k].
     `k` is static; padded positions (any id) give values the caller drops."""
-    return PromptLogprobs(*_logprob_outputs(logits, next_ids, k))
+    return PromptLogprobs(*_logprob_outputs(logits, next_ids, k, vocab=vocab))
 
 
 def _fail(field: str, rule: str, value: Any) -> NoReturn:
