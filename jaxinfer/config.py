@@ -196,6 +196,7 @@ class EngineConfig(_FromDict):
 
     dtype: DType = DType.FLOAT32
     tensor_parallel_size: int = 1
+    data_parallel_size: int = 1  # engine replicas, each over tensor_parallel_size devices
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
@@ -203,10 +204,10 @@ class EngineConfig(_FromDict):
     interpret: bool = False
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ConfigError(
-                f"EngineConfig.tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}."
-            )
+        for name in ("tensor_parallel_size", "data_parallel_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}.")
         if self.max_num_seqs < 1:
             raise ConfigError(f"EngineConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}.")
         if self.max_num_batched_tokens < 1:

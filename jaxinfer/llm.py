@@ -8,6 +8,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
+
+from jaxinfer import distributed
 
 from jaxinfer.checkpoint import open_checkpoint
 from jaxinfer.config import CacheConfig, ConfigError, DType, EngineConfig, MeshConfig, ModelConfig
@@ -83,6 +86,7 @@ class LLM:
         *,
         dtype: str = "float32",
         tensor_parallel_size: int = 1,
+        data_parallel_size: int = 1,
         max_model_len: int | None = None,
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
@@ -105,6 +109,7 @@ class LLM:
         self.engine_config = EngineConfig(
             dtype=DType(dtype),
             tensor_parallel_size=tensor_parallel_size,
+            data_parallel_size=data_parallel_size,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -124,15 +129,20 @@ class LLM:
             )
         self.model_config: ModelConfig = preset if checkpoint is None else checkpoint.config
         self.family = family_for_config(self.model_config)
-        self.mesh = make_mesh(MeshConfig(tensor=tensor_parallel_size))
+        # Before any device work: a layout no head split can use, or more devices than exist, is refused here.
         self.rules = tensor_parallel_rules(self.model_config, tensor_parallel_size)
+        self.mesh = make_mesh(MeshConfig(data=data_parallel_size, tensor=tensor_parallel_size))
+        self.replica_meshes = local_replicas(self.mesh)
         self.dtype = JNP_DTYPES[self.engine_config.dtype]
+        distributed.check_same_everywhere(
+            "the model and engine settings", self.model_config, self.engine_config, self.cache_config,
+            data_parallel_size, decode_steps_per_call, random_weights, seed)
         self.weights = self._load_weights(checkpoint, random_weights, seed)
         if checkpoint is None and tokenizer is None:
             self.tokenizer = None
         else:
             self.tokenizer = load_model_tokenizer(checkpoint, tokenizer)
-        self._build_engine(enable_prefix_caching, warmup, use_tqdm)
+        self._build_engines(enable_prefix_caching, warmup, use_tqdm)
 
     def _load_weights(self, checkpoint: Any, random_weights: bool, seed: int) -> Any:
         specs = self.family.param_specs(self.model_config, self.dtype)
@@ -140,34 +150,47 @@ class LLM:
             return init_params(specs, jax.random.key(seed), self.mesh, self.rules)
         return checkpoint.load_weights(specs, self.mesh, self.rules)
 
-    def _num_pages(self) -> int:
+    def _num_pages(self, mesh: Any) -> int:
+        """The configured page count, or `memory_fraction` of the free memory of the fullest device of
+        `mesh` (after the weights are placed), divided by what one page costs on each device."""
         cache = self.cache_config
         if cache.num_pages is not None:
             return cache.num_pages
-        per_page = bytes_per_page(self.model_config, cache.page_size, self.dtype, self.mesh)
-        free = free_device_memory(self.mesh)
+        per_page = bytes_per_page(self.model_config, cache.page_size, self.dtype, mesh)
+        free = distributed.min_over_processes(free_device_memory(mesh))
         return max(2, int(free * cache.memory_fraction) // per_page)
 
-    def _build_engine(self, prefix_caching: bool, warmup: bool, use_tqdm: bool) -> None:
+    def _build_engines(self, prefix_caching: bool, warmup: bool, use_tqdm: bool) -> None:
+        from jaxinfer.engine.replicas import DataParallelEngines, split_replicas
+
+        weights = split_replicas(self.weights, self.replica_meshes) if self.mesh.shape["data"] > 1 else [self.weights]
+        engines = [self._build_engine(mesh, w, prefix_caching, use_tqdm)
+                   for mesh, w in zip(self.replica_meshes, weights)]
+        self.engine = engines[0] if len(engines) == 1 else DataParallelEngines(engines)
+        if warmup:
+            self.engine.warmup()
+
+    def _build_engine(self, mesh: Any, weights: Any, prefix_caching: bool, use_tqdm: bool) -> Any:
         from jaxinfer.engine.engine import Engine
         from jaxinfer.engine.runner import ModelRunner
 
-        num_pages = self._num_pages()
+        num_pages = self._num_pages(mesh)
         kv_cache = allocate_kv_cache(
-            self.model_config, num_pages, self.cache_config.page_size, self.dtype, self.mesh, self.rules
+            self.model_config, num_pages, self.cache_config.page_size, self.dtype, mesh, self.rules
         )
         runner = ModelRunner(
-            self.family, self.model_config, self.weights, kv_cache, self.mesh, self.rules,
+            self.family, self.model_config, weights, kv_cache, mesh, self.rules,
             attention_impl=self.engine_config.attention_impl, interpret=self.engine_config.interpret,
         )
-        self.engine = Engine(
+        engine = Engine(
             runner, self.tokenizer, self.engine_config, self.cache_config,
             enable_prefix_caching=prefix_caching, use_tqdm=use_tqdm,
             decode_steps_per_call=self.decode_steps_per_call, overlap_decode=self.overlap_decode,
             compile_threads=self.compile_threads,
         )
-        if warmup:
-            self.engine.warmup()
+        if distributed.is_multiprocess():  # unseeded requests must draw the same seeds in every process
+            engine.reseed(distributed.shared_seed(int(np.random.default_rng().integers(2**62))))
+        return engine
 
     def generate(self, prompts: Any, sampling_params: Any = None, *, use_tqdm: bool | None = None) -> list[Any]:
         """Generate for every prompt (strings or token-id lists); outputs come back in input order."""
@@ -205,12 +228,47 @@ class LLM:
     def engine_stats(self) -> dict[str, Any]:
         return self.engine.stats()
 
+    def describe(self) -> dict[str, Any]:
+        """The mesh picture: axis sizes, each weight group's sharding, weight and KV bytes per device, pages,
+        and the collectives one decode step runs (from the compiled executables). With several replicas it
+        describes the first and lists every replica's devices. `format_description` prints it."""
+        from jaxinfer.describe import describe_engine
+
+        engines = getattr(self.engine, "engines", [self.engine])
+        desc = describe_engine(engines[0])
+        desc.update(data_parallel_size=self.engine_config.data_parallel_size, process_count=jax.process_count(),
+                    replica_devices=[[str(d) for d in e.runner.mesh.devices.flat] for e in engines])
+        return desc
+
 
 def free_device_memory(mesh: Any) -> int:
-    """Smallest free memory over the mesh's devices; on CPU (no stats) a conservative 2 GiB."""
+    """Smallest free memory over this process's devices of `mesh` (memory stats exist only for addressable
+    devices); on CPU (no stats) a conservative 2 GiB."""
     frees = []
     for device in mesh.devices.flat:
+        if device.process_index != jax.process_index():
+            continue
         stats = device.memory_stats() or {}
         if "bytes_limit" in stats:
             frees.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
     return min(frees) if frees else 2 << 30
+
+
+def local_replicas(mesh: Any) -> list[Any]:
+    """The replica meshes this process drives. One replica may span processes (every process runs it, the
+    same program everywhere); several replicas must each sit inside one process (each process serves its
+    own share of the requests), since one process cannot step a replica whose devices it cannot reach."""
+    from jaxinfer.engine.replicas import replica_meshes
+
+    replicas = replica_meshes(mesh)
+    if len(replicas) == 1:
+        return replicas
+    me = jax.process_index()
+    owners = [{d.process_index for d in m.devices.flat} for m in replicas]
+    if any(len(o) > 1 for o in owners):
+        raise ConfigError(
+            f"data_parallel_size={len(replicas)} with replicas of {replicas[0].devices.size} devices that span "
+            "processes: each replica must fit in one process's devices (or use data_parallel_size=1 and let "
+            "the one replica span the processes)."
+        )
+    return [m for m, o in zip(replicas, owners) if o == {me}]

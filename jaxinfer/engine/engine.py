@@ -195,6 +195,10 @@ class Engine:
         self.num_steps = 0
         self.num_overlapped_calls = 0  # decode calls launched before the host read the previous one
 
+    def reseed(self, seed: int) -> None:
+        """Seed the draws that give unseeded requests their seeds (multi-process runs must agree on them)."""
+        self._rng = np.random.default_rng(seed)
+
     # ------------------------------------------------------------------------------------------ shapes
 
     def batch_shape(self, num_tokens: int) -> BatchShape:

@@ -1,0 +1,144 @@
+"""Data parallelism: N engine replicas in one process, each over its own devices, behind one front end.
+
+`DataParallelEngines` has the step-level interface of `Engine` (add_request, step, abort, has_unfinished,
+stats, warmup), so `LLM` and the batch API run over one replica or many alike:
+- a new request goes to the least-loaded replica (fewest unfinished requests, then fewest waiting and
+  running sequences, then the lowest index), and stays there until it finishes;
+- `step()` steps every replica that has work at the same time, one thread per replica: a replica's step
+  spends most of its time waiting for its own devices, which releases the GIL, so N replicas keep N
+  device groups busy from one Python process;
+- request ids are unique across replicas (each replica numbers its own with a replica prefix).
+
+Replicas share nothing on device: each has its own weights (views of one load, see `split_replicas`), KV
+cache, scheduler and compiled executables.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+
+from jaxinfer.engine.engine import Engine
+from jaxinfer.outputs import RequestOutput
+
+
+class DataParallelEngines:
+    def __init__(self, engines: Sequence[Any]) -> None:
+        if not engines:
+            raise ValueError("DataParallelEngines needs at least one engine.")
+        self.engines = list(engines)
+        self.use_tqdm = self.engines[0].use_tqdm
+        self.tokenizer = self.engines[0].tokenizer
+        self._owner: dict[str, int] = {}  # request id -> replica index
+        self._pool = ThreadPoolExecutor(len(self.engines), thread_name_prefix="jaxinfer-replica")
+        self._ids = 0
+
+    # ------------------------------------------------------------------------------------ requests
+
+    # The batch API is the single engine's, running over this class's add_request/step/abort: prompts are
+    # encoded and checked once (every replica has the same model), then each goes to a replica.
+    generate = Engine.generate
+    stream = Engine.stream
+    _add_all = Engine._add_all
+
+    def _encode(self, prompt: Any) -> Any:
+        return self.engines[0]._encode(prompt)
+
+    def _validate(self, ids: list[int], params: Any) -> None:
+        self.engines[0]._validate(ids, params)
+
+
+    def _load(self, i: int) -> tuple[int, int, int]:
+        stats = self.engines[i].scheduler.stats()
+        return len(self.engines[i].requests), stats["num_waiting"] + stats["num_running"], i
+
+    def least_loaded(self) -> int:
+        return min(range(len(self.engines)), key=self._load)
+
+    def add_request(self, prompt: Any, params: Any = None, *, request_id: str | None = None,
+                    priority: int = 0) -> str:
+        if request_id is None:
+            request_id = f"req-{self._ids}"
+            self._ids += 1
+        if request_id in self._owner:
+            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request.")
+        replica = self.least_loaded()
+        rid = self.engines[replica].add_request(prompt, params, request_id=request_id, priority=priority)
+        self._owner[rid] = replica
+        return rid
+
+    # ------------------------------------------------------------------------------------ stepping
+
+    def step(self) -> list[RequestOutput]:
+        """One step of every replica that has work, run concurrently; their outputs, in replica order."""
+        busy = [e for e in self.engines if e.has_unfinished()]
+        if not busy:
+            return []
+        if len(busy) == 1:
+            outputs = busy[0].step()
+        else:
+            outputs = [out for outs in self._pool.map(lambda e: e.step(), busy) for out in outs]
+        for out in outputs:
+            if out.finished:
+                self._owner.pop(out.request_id, None)
+        return outputs
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        replica = self._owner.pop(request_id, None)
+        return None if replica is None else self.engines[replica].abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return any(e.has_unfinished() for e in self.engines)
+
+    def warmup(self) -> None:
+        for engine in self.engines:  # compiles in parallel inside each engine already
+            engine.warmup()
+
+    def stats(self) -> dict[str, Any]:
+        """Counts summed over replicas, rates averaged, and each replica's own stats under `replicas`."""
+        per = [e.stats() for e in self.engines]
+        out: dict[str, Any] = {}
+        for key, value in per[0].items():
+            values = [p[key] for p in per]
+            if isinstance(value, bool) or not all(isinstance(v, int | float) for v in values):
+                continue
+            out[key] = sum(values) if isinstance(value, int) else float(np.mean(values))
+        out["num_compiles_after_warmup"] = _sum_or_none([p["num_compiles_after_warmup"] for p in per])
+        out["data_parallel_size"] = len(self.engines)
+        out["replicas"] = per
+        return out
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False)
+
+
+def _sum_or_none(values: list[int | None]) -> int | None:
+    return None if any(v is None for v in values) else sum(values)
+
+
+def replica_meshes(mesh: Mesh) -> list[Mesh]:
+    """The `data` slices of `mesh`, each a mesh of the same axes with data = 1."""
+    grid = mesh.devices  # [data, ...]
+    return [Mesh(grid[i : i + 1], mesh.axis_names) for i in range(grid.shape[0])]
+
+
+def split_replicas(tree: Any, replicas: Sequence[Mesh]) -> list[Any]:
+    """Arrays over a whole (data, ...) mesh, replicated over `data` -> one tree per replica mesh, each array
+    made of the shards already on that replica's devices (no copy, no transfer)."""
+
+    def one(mesh: Mesh) -> Any:
+        devices = set(mesh.devices.flat)
+
+        def view(a: jax.Array) -> jax.Array:
+            sharding = NamedSharding(mesh, a.sharding.spec)
+            shards = [s.data for s in a.addressable_shards if s.device in devices]
+            return jax.make_array_from_single_device_arrays(a.shape, sharding, shards)
+
+        return jax.tree.map(view, tree)
+
+    return [one(m) for m in replicas]
