@@ -13,7 +13,15 @@ import numpy as np
 from jaxinfer import distributed
 
 from jaxinfer.checkpoint import open_checkpoint
-from jaxinfer.config import CacheConfig, ConfigError, DType, EngineConfig, MeshConfig, ModelConfig
+from jaxinfer.config import (
+    CacheConfig,
+    ConfigError,
+    DType,
+    EngineConfig,
+    MeshConfig,
+    ModelConfig,
+    model_config_from_yaml,
+)
 from jaxinfer.kv_cache import allocate_kv_cache, bytes_per_page
 from jaxinfer.models import family_for_config
 from jaxinfer.params import init_params
@@ -31,6 +39,8 @@ def resolve_source(model: str | Path | ModelConfig) -> tuple[Any | None, ModelCo
     name = str(model)
     if name in BUNDLED:
         return open_checkpoint(bundled_checkpoint(name)), None
+    if name.endswith((".yaml", ".yml")):  # a model shape of one's own (random weights), like a preset
+        return None, model_config_from_yaml(name)
     if Path(name).expanduser().exists() or not is_alias(name):
         return open_checkpoint(name), None
     return None, load_preset(name)

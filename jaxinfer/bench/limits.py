@@ -50,23 +50,28 @@ def attended_context(workload: Workload) -> int:
 
 def workload_limit(
     cost: ModelCost, workload: Workload, *, kv_capacity_tokens: int, max_num_seqs: int, copy_bw: float,
-    matmul_rate: float,
+    matmul_rate: float, replicas: int = 1,
 ) -> dict[str, float | int | str]:
-    """The workload's fastest possible run on this device (bytes/s and FLOP/s measured beside it)."""
+    """The workload's fastest possible run (bytes/s and FLOP/s measured beside it).
+
+    copy_bw, matmul_rate, kv_capacity_tokens and max_num_seqs are one engine replica's (a tensor-parallel
+    replica of n devices reads and computes at n times one device's rates); with `replicas` > 1 each replica
+    takes an equal share of the requests and all run at once."""
     mean_len = (workload.input_tokens + workload.output_tokens) / workload.num_prompts
-    batch = max(1, min(workload.num_prompts, max_num_seqs, int(kv_capacity_tokens // mean_len)))
-    context = attended_context(workload)
+    share = workload.num_prompts / replicas
+    batch = max(1, min(share, max_num_seqs, int(kv_capacity_tokens // mean_len)))
+    context = attended_context(workload) / replicas
     # Decode steps, each reading the weights once: at a full batch, but never fewer than the longest
     # request's output, whose tokens come one step after another however many requests run beside it.
-    steps = max(workload.output_tokens / batch, max(workload.output_lens))
+    steps = max(workload.output_tokens / replicas / batch, max(workload.output_lens))
     bytes_read = steps * cost.weight_bytes_per_step + context * cost.kv_bytes_per_token
     forward_tokens = workload.input_tokens + workload.output_tokens - workload.num_prompts
     prefill_pairs = sum(i * (i + 1) // 2 for i in workload.input_lens)  # causal
     flops = (
         2 * cost.body_params * forward_tokens
         + 2 * cost.head_params * workload.output_tokens
-        + cost.attn_flops_per_pair * (prefill_pairs + context)
-    )
+        + cost.attn_flops_per_pair * (prefill_pairs + attended_context(workload))
+    ) / replicas
     memory_s, compute_s = bytes_read / copy_bw, flops / matmul_rate
     seconds = max(memory_s, compute_s)
     return {

@@ -36,6 +36,10 @@ HF_SCRIPT = Path(__file__).with_name("hf_baseline.py")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="llama-3-8b", help="preset alias (random weights) or a checkpoint")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices per engine replica")
+    p.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas")
+    p.add_argument("--sections", nargs="*", default=None,
+                   help="run only these sections (decode, decode_device, prefill, grid, hf_comparison, sweep)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--max-model-len", type=int, default=None, help="default: the longest request benchmarked")
@@ -197,22 +201,29 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     cache_dir = None if args.compilation_cache == "none" else args.compilation_cache
     cached_before = _cache_entries(cache_dir)
     t = time.perf_counter()
+    tp, dp = args.tensor_parallel_size, args.data_parallel_size
     llm = LLM(args.model, random_weights=True, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              tensor_parallel_size=tp, data_parallel_size=dp,
               max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
               memory_fraction=args.memory_fraction, num_pages=args.num_pages, decode_steps_per_call=args.decode_steps_per_call,
               overlap_decode=args.overlap_decode, compile_threads=args.compile_threads, use_tqdm=False,
               compilation_cache_dir=cache_dir)
     result["warmup_s"] = time.perf_counter() - t
-    result["slow_steps"] = watch_slow_steps(llm.engine)
+    replica = ReplicaView(llm)  # decode, prefill and profile sections measure one replica
+    result["slow_steps"] = watch_slow_steps(replica.engine)
+    result["mesh"] = _mesh_summary(llm)
+    print(json.dumps(result["mesh"]), flush=True)
     cost = ModelCost.of(llm.model_config, llm.dtype)
-    kv_tokens = llm.engine.scheduler.stats()["total_pages"] * args.page_size
+    kv_tokens = replica.engine.scheduler.stats()["total_pages"] * args.page_size
+    # One replica of tp devices reads and computes at tp times one device's measured rates.
+    replica_bw, replica_rate = copy_bw * tp, rate * tp
     result["engine"] = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                         "max_model_len": max_len, "page_size": args.page_size, "kv_capacity_tokens": kv_tokens,
                         "decode_steps_per_call": args.decode_steps_per_call,
                         "overlap_decode": args.overlap_decode,
-                        "attention_impl": llm.engine.runner.attention_impl,
+                        "attention_impl": replica.engine.runner.attention_impl,
                         "weight_bytes_per_step": cost.weight_bytes_per_step,
-                        "warmup_breakdown": llm.engine.runner.precompile_times,
+                        "warmup_breakdown": replica.engine.runner.precompile_times,
                         # A warmup that found executables in the cache did not compile them: say which it was.
                         "compilation_cache": {"dir": str(llm.compilation_cache_dir or ""), "entries_before": cached_before,
                                               "entries_after": _cache_entries(cache_dir)}}
@@ -220,7 +231,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
 
     def limit(w: Workload) -> dict[str, Any]:
         return workload_limit(cost, w, kv_capacity_tokens=kv_tokens, max_num_seqs=args.max_num_seqs,
-                              copy_bw=copy_bw, matmul_rate=rate)
+                              copy_bw=replica_bw, matmul_rate=replica_rate, replicas=dp)
 
     def offline(w: Workload) -> dict[str, Any]:
         r = {"workload": w.name, **measure.offline_throughput(llm, w), "limit": limit(w)}
@@ -230,24 +241,28 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         return {**hf_comparison(measure.offline_throughput(llm, hf_workload), hf, hf_workload), "limit": limit(hf_workload)}
 
     sections: list[tuple[str, Any]] = [
-        *[("decode", lambda b=b: measure.decode_mbu(llm, cost, b, args.decode_ctx, args.decode_steps, copy_bw))
+        *[("decode", lambda b=b: measure.decode_mbu(replica, cost, b, args.decode_ctx, args.decode_steps, replica_bw))
           for b in args.decode_batches],
-        *[("decode_device", lambda b=b: measure.decode_device_profile(llm, cost, b, args.decode_ctx, copy_bw))
+        *[("decode_device", lambda b=b: measure.decode_device_profile(replica, cost, b, args.decode_ctx, replica_bw))
           for b in args.decode_batches],
-        *([("prefill", lambda: measure.prefill_mfu(llm, cost, args.prefill_tokens, rate))] if args.prefill_tokens > 0 else []),
+        *([("prefill", lambda: measure.prefill_mfu(replica, cost, args.prefill_tokens, replica_rate))]
+          if args.prefill_tokens > 0 else []),
         *[("grid", lambda w=w: offline(w)) for w in workloads],
         *([("hf_comparison", compare_hf)] if hf is not None else []),
         *[("sweep", lambda c=c: {"workload": sweep_shape.name, **measure.serve_at_concurrency(
             llm, fixed(sweep_in, sweep_out, max(4, args.sweep_requests_per_slot * c)), c)}) for c in args.concurrency],
     ]
     for name, fn in sections:
+        if args.sections is not None and name not in args.sections:
+            continue
         try:
             value = fn()
         except Exception as e:  # one failed measurement must not cost the others
             result.setdefault("errors", []).append({"section": name, "error": f"{type(e).__name__}: {e}"[:2000]})
             print(f"{name}: FAILED: {type(e).__name__}: {e}", flush=True)
-            for rid in list(llm.engine.requests):  # leave the engine empty for the next section
-                llm.engine.abort(rid)
+            for engine in replica.all_engines:  # leave every replica empty for the next section
+                for rid in list(engine.requests):
+                    engine.abort(rid)
             continue
         if name in ("prefill", "hf_comparison"):
             result[name] = value
@@ -260,6 +275,30 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     result["recompiles_after_warmup"] = stats["num_compiles_after_warmup"]
     result["engine_stats"] = stats
     return result
+
+
+class ReplicaView:
+    """One engine replica seen the way the measurements see an LLM (engine, model_config, engine_stats,
+    generate): with data parallelism, latency figures (decode steps, prefill) are one replica's."""
+
+    def __init__(self, llm: Any) -> None:
+        self.all_engines = list(getattr(llm.engine, "engines", [llm.engine]))
+        self.engine = self.all_engines[0]
+        self.model_config = llm.model_config
+
+    def engine_stats(self) -> dict[str, Any]:
+        return self.engine.stats()
+
+    def generate(self, prompts: Any, params: Any, use_tqdm: bool = False) -> Any:
+        return self.engine.generate(prompts, params, use_tqdm=use_tqdm)
+
+
+def _mesh_summary(llm: Any) -> dict[str, Any]:
+    """The parts of llm.describe() a benchmark result should carry."""
+    desc = llm.describe()
+    keep = ("mesh", "data_parallel_size", "process_count", "weight_bytes_per_device", "kv_cache_bytes_per_device",
+            "num_pages", "collectives_per_decode_step")
+    return {k: desc[k] for k in keep} | {"num_devices": sum(len(r) for r in desc["replica_devices"])}
 
 
 def watch_slow_steps(engine: Any, threshold_s: float = 2.0) -> list[dict[str, Any]]:

@@ -109,6 +109,7 @@ class DataParallelEngines:
                 continue
             out[key] = sum(values) if isinstance(value, int) else float(np.mean(values))
         out["num_compiles_after_warmup"] = _sum_or_none([p["num_compiles_after_warmup"] for p in per])
+        out["step_time_s"] = {k: sum(p["step_time_s"][k] for p in per) for k in per[0]["step_time_s"]}
         out["data_parallel_size"] = len(self.engines)
         out["replicas"] = per
         return out
