@@ -126,3 +126,19 @@ def gguf_arch_key(meta: dict[str, Any]) -> Callable[..., Any]:
         return value
 
     return key
+
+
+def hf_rope_theta(hf: dict[str, Any], default: float) -> float:
+    """rope_theta at the top level (published configs) or inside rope_parameters (transformers 5)."""
+    params = hf.get("rope_parameters") or {}
+    return float(hf.get("rope_theta", params.get("rope_theta", default)))
+
+
+def hf_num_experts(hf: dict[str, Any]) -> int:
+    """`num_experts` (Qwen's published configs) or `num_local_experts` (Mixtral; transformers 5 writes it for both)."""
+    both = [hf[k] for k in ("num_experts", "num_local_experts") if hf.get(k) is not None]
+    if not both:
+        raise CheckpointError("config.json has neither num_experts nor num_local_experts.")
+    if len(set(both)) > 1:
+        raise CheckpointError(f"config.json sets num_experts={both[0]} but num_local_experts={both[1]}.")
+    return int(both[0])
