@@ -41,11 +41,13 @@ from jaxinfer.checkpoint.assemble import CheckpointError, TensorRule, Transform
 from jaxinfer.config import ConfigError, ModelConfig, RopeScaling
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.models.common import (
+    MOE_FIELDS,
     gguf_arch_key,
     AttentionFn,
     AttentionMetadata,
     apply_rope,
     gated_mlp,
+    refuse_fields,
     rms_norm,
     rope_inv_freq,
 )
@@ -58,8 +60,6 @@ DEFAULT_SLIDING_WINDOW_PATTERN = 6
 DEFAULT_ROPE_LOCAL_THETA = 10_000.0
 GEMMA3_27B_LAYERS = 62  # how llama.cpp recognizes 27B, the one size whose query scale is 1/sqrt(D/N)
 REQUIRED_FIELDS = ("sliding_window", "sliding_window_pattern", "rope_local_theta", "query_pre_attn_scalar")
-MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step",
-              "mlp_only_layers")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -150,9 +150,7 @@ def layer_specs(cfg: ModelConfig, dtype: jnp.dtype) -> Gemma3Layer:
 
 def param_specs(cfg: ModelConfig, dtype: jnp.dtype) -> Gemma3Weights:
     """The single declaration of every Gemma 3 weight: shape, dtype, logical axes, initializer."""
-    for name in MOE_FIELDS:
-        if getattr(cfg, name) is not None:
-            raise ConfigError(f"ModelConfig.{name} is set, but the Gemma 3 family does not implement it; remove it.")
+    refuse_fields(cfg, MOE_FIELDS, "Gemma 3")
     d, v = cfg.hidden_size, cfg.vocab_size
     return Gemma3Weights(
         # Row lookup, so scale 1 (the sqrt(D) embedding scale brings it to the residual stream's size).

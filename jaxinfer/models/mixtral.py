@@ -19,16 +19,19 @@ from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.models import llama
 from jaxinfer.models.common import (
+    GEMMA_FIELDS,
+    MOE_REQUIRED,
     AttentionFn,
     AttentionMetadata,
     gguf_arch_key,
     hf_num_experts,
     hf_rope_theta,
+    refuse_fields,
+    require_fields,
     rms_norm,
     rope_inv_freq,
 )
 from jaxinfer.models.moe import MoEFn, MoEWeights, moe_block, moe_specs, valid_tokens
-from jaxinfer.models.qwen3 import GEMMA_FIELDS, MOE_REQUIRED, require
 from jaxinfer.params import Init, ParamSpec
 from jaxinfer.sharding import Logical as L
 
@@ -54,10 +57,8 @@ class MixtralWeights:
 
 def check_config(cfg: ModelConfig) -> None:
     """Refuse what Mixtral would ignore (Gemma and Qwen3-MoE layer-plan fields), require the routing fields."""
-    for name in (*GEMMA_FIELDS, "decoder_sparse_step", "mlp_only_layers"):
-        if getattr(cfg, name) is not None:
-            raise ConfigError(f"ModelConfig.{name} is set, but the Mixtral family does not implement it; remove it.")
-    require(cfg, MOE_REQUIRED, "Mixtral")
+    refuse_fields(cfg, (*GEMMA_FIELDS, "decoder_sparse_step", "mlp_only_layers"), "Mixtral")
+    require_fields(cfg, MOE_REQUIRED, "Mixtral")
     if cfg.intermediate_size != cfg.moe_intermediate_size:
         raise ConfigError(
             f"ModelConfig.intermediate_size ({cfg.intermediate_size}) must equal moe_intermediate_size "

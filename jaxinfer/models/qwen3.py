@@ -26,10 +26,13 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxinfer.checkpoint.assemble import CheckpointError, Part, TensorRule, Transform
-from jaxinfer.config import ConfigError, ModelConfig
+from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.models import llama
 from jaxinfer.models.common import (
+    GEMMA_FIELDS,
+    MOE_FIELDS,
+    MOE_REQUIRED,
     AttentionFn,
     AttentionMetadata,
     apply_rope,
@@ -37,19 +40,14 @@ from jaxinfer.models.common import (
     gguf_arch_key,
     hf_num_experts,
     hf_rope_theta,
+    refuse_fields,
+    require_fields,
     rms_norm,
     rope_inv_freq,
 )
 from jaxinfer.models.moe import MoEFn, MoEWeights, moe_block, moe_specs, valid_tokens
 from jaxinfer.params import Init, ParamSpec
 from jaxinfer.sharding import Logical as L
-
-GEMMA_FIELDS = ("sliding_window", "sliding_window_pattern", "rope_local_theta", "query_pre_attn_scalar",
-                "attn_logit_softcap", "final_logit_softcap")
-MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
-              "decoder_sparse_step", "mlp_only_layers")
-MOE_REQUIRED = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
-
 
 @struct.dataclass
 class DenseMLP:
@@ -80,25 +78,13 @@ class Qwen3Weights:
     lm_head: jax.Array | None  # [D, V]; None when tied to the embedding
 
 
-def _refuse(cfg: ModelConfig, fields: tuple[str, ...], family: str) -> None:
-    for name in fields:
-        if getattr(cfg, name) is not None:
-            raise ConfigError(f"ModelConfig.{name} is set, but the {family} family does not implement it; remove it.")
-
-
-def require(cfg: ModelConfig, fields: tuple[str, ...], family: str) -> None:
-    missing = [name for name in fields if getattr(cfg, name) is None]
-    if missing:
-        raise ConfigError(f"ModelConfig.{missing[0]} is not set, and {family} needs it (set {', '.join(missing)}).")
-
-
 def check_dense_config(cfg: ModelConfig) -> None:
-    _refuse(cfg, GEMMA_FIELDS + MOE_FIELDS, "Qwen3")
+    refuse_fields(cfg, GEMMA_FIELDS + MOE_FIELDS, "Qwen3")
 
 
 def check_moe_config(cfg: ModelConfig) -> None:
-    _refuse(cfg, GEMMA_FIELDS, "Qwen3-MoE")
-    require(cfg, MOE_REQUIRED, "Qwen3-MoE")
+    refuse_fields(cfg, GEMMA_FIELDS, "Qwen3-MoE")
+    require_fields(cfg, MOE_REQUIRED, "Qwen3-MoE")
 
 
 def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
