@@ -65,9 +65,12 @@ def test_runner_reproduces_hf_greedy(name: str, layout: str) -> None:
         np.testing.assert_allclose(logprobs, case["logprobs"], rtol=0, atol=LOGPROB_TOL)
 
 
-@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("name", ["qwen3-moe-tiny", "mixtral-tiny"])
 def test_llm_reproduces_hf_greedy_from_token_ids(name: str) -> None:
-    """`LLM(dir)` on a directory with no tokenizer files: token-id prompts, batched, through the engine."""
+    """`LLM(dir)` on a directory with no tokenizer files: token-id prompts, batched, through the engine.
+
+    The MoE models only: the dense qwen3-tiny takes the same engine path, and each engine costs ~20 s of
+    compiling on CPU (no warmup: the step compiles for the two shapes this batch uses)."""
     golden = load_golden(name)
     path = checkpoint_dir(golden, "published")
     assert not (path / "tokenizer.json").exists()
