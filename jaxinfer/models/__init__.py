@@ -17,7 +17,9 @@ class ModelFamily:
 
     name: str
     param_specs: Callable[..., Any]  # (cfg, dtype) -> weights pytree of ParamSpec
-    forward: Callable[..., Any]  # (weights, cfg, token_ids, md, kv_cache, attn_fn) -> (hidden, kv_cache)
+    # (weights, cfg, token_ids, md, kv_cache, attn_fn) -> (hidden, kv_cache); the MoE families (qwen3_moe,
+    # mixtral) also take `moe_fn=` (default jaxinfer.models.moe.moe_block) to swap the expert computation.
+    forward: Callable[..., Any]
     compute_logits: Callable[..., Any]  # (weights, cfg, hidden [S, D]) -> [S, V] float32
     checkpoint_rules: Callable[[], list[TensorRule]]
     config_from_gguf: Callable[[dict[str, Any]], ModelConfig]
