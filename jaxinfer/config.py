@@ -115,6 +115,13 @@ class ModelConfig(_FromDict):
     query_pre_attn_scalar: float | None = None  # attention scale is 1/sqrt(this) instead of 1/sqrt(head_dim)
     attn_logit_softcap: float | None = None  # attention logits become cap * tanh(logits / cap)
     final_logit_softcap: float | None = None  # output logits become cap * tanh(logits / cap)
+    # Mixture of experts (jaxinfer.models.moe; Qwen3-MoE, Mixtral); None = a dense model.
+    num_experts: int | None = None  # routed experts per MoE layer (E)
+    num_experts_per_tok: int | None = None  # experts each token is routed to (top-k)
+    moe_intermediate_size: int | None = None  # ffn width of one expert (intermediate_size is the dense layers')
+    norm_topk_prob: bool | None = None  # renormalize the top-k routing weights to sum to 1
+    decoder_sparse_step: int | None = None  # Qwen3-MoE: layer i is MoE when (i + 1) % step == 0 (None: 1)
+    mlp_only_layers: tuple[int, ...] | None = None  # Qwen3-MoE: layers that stay dense whatever the step
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
@@ -131,14 +138,36 @@ class ModelConfig(_FromDict):
                 f"({self.num_heads}); set head_dim explicitly."
             )
         self._check_optional_positive()
+        self._check_experts()
 
     def _check_optional_positive(self) -> None:
         """Family-specific fields are optional, but a set one must be usable (a zero window masks everything)."""
         for name in ("sliding_window", "sliding_window_pattern", "rope_local_theta", "query_pre_attn_scalar",
-                     "attn_logit_softcap", "final_logit_softcap"):
+                     "attn_logit_softcap", "final_logit_softcap", "num_experts", "num_experts_per_tok",
+                     "moe_intermediate_size", "decoder_sparse_step"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ConfigError(f"ModelConfig.{name} must be > 0 when set, got {value}.")
+
+    def _check_experts(self) -> None:
+        """The MoE fields come together (routing needs both counts) and stay inside the model."""
+        if self.mlp_only_layers is not None and not isinstance(self.mlp_only_layers, tuple):
+            object.__setattr__(self, "mlp_only_layers", tuple(self.mlp_only_layers))  # hashable, like YAML's
+        if (self.num_experts is None) != (self.num_experts_per_tok is None):
+            raise ConfigError(
+                "ModelConfig.num_experts and num_experts_per_tok must be set together "
+                f"(got num_experts={self.num_experts}, num_experts_per_tok={self.num_experts_per_tok})."
+            )
+        if self.num_experts is not None and self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(
+                f"ModelConfig.num_experts_per_tok ({self.num_experts_per_tok}) must be <= num_experts "
+                f"({self.num_experts})."
+            )
+        for layer in self.mlp_only_layers or ():
+            if not 0 <= layer < self.num_layers:
+                raise ConfigError(
+                    f"ModelConfig.mlp_only_layers holds {layer}, outside the model's layers 0..{self.num_layers - 1}."
+                )
 
     @property
     def head_size(self) -> int:

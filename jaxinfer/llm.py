@@ -46,12 +46,16 @@ def resolve_source(model: str | Path | ModelConfig) -> tuple[Any | None, ModelCo
     return None, load_preset(name)
 
 
-def load_model_tokenizer(checkpoint: Any, tokenizer: str | Path | None) -> Tokenizer:
+def load_model_tokenizer(checkpoint: Any, tokenizer: str | Path | None) -> Tokenizer | None:
+    """The explicit tokenizer, else the checkpoint's own; None for a directory that ships no tokenizer files
+    (e.g. a bare `save_pretrained` of a model): such a model takes token-id prompts only."""
     if tokenizer is not None:
         return load_tokenizer(tokenizer)
     if hasattr(checkpoint, "metadata"):  # GGUF: reuse the metadata already read
         return Tokenizer.from_gguf_metadata(checkpoint.metadata)
-    path = getattr(checkpoint, "tokenizer_path", None) or getattr(checkpoint, "directory", None)
+    path = Path(getattr(checkpoint, "tokenizer_path", None) or getattr(checkpoint, "directory", None))
+    if not any((path / name).is_file() for name in ("tokenizer.json", "tokenizer.model")):
+        return None
     return load_tokenizer(path)
 
 

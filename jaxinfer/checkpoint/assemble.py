@@ -7,6 +7,15 @@ spec, and whatever the checkpoint holds beyond the table is reported as left ove
 
 Tensors are read, converted and placed one at a time: host memory holds at most one full tensor, and each
 device receives only its own shard (`jax.make_array_from_callback`).
+
+Expert weights (a ParamSpec whose leading logical axis is EXPERTS, shape [E, ...]) come either as one
+tensor per expert, named with an `{e}` placeholder and stacked here (HF's published per-expert layout), or
+as one tensor with the experts already stacked first (GGUF `ffn_*_exps`, transformers 5's fused
+`experts.gate_up_proj`); either way a rule's transform applies to each expert's slice. A `Part` names one
+equal chunk of a fused tensor (gate and up projections saved as one). A rule may list several sources for a
+format; the first one the checkpoint holds completely is used, and whatever it does not use is reported
+as left over, so a checkpoint mixing layouts or missing one expert still fails with the names.
+Host memory for an expert weight is one layer's experts of that weight (about twice that while stacking).
 """
 
 from __future__ import annotations
@@ -22,7 +31,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxinfer.params import ParamSpec, is_spec
-from jaxinfer.sharding import ShardingRules
+from jaxinfer.sharding import Logical, ShardingRules
 
 
 class CheckpointError(ValueError):
@@ -37,12 +46,30 @@ class Transform(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True)
+class Part:
+    """Chunk `index` of `parts` equal chunks along `axis` of a fused checkpoint tensor.
+
+    For expert weights `axis` counts within one expert's slice: transformers 5 saves each layer's experts'
+    gate and up projections as `experts.gate_up_proj` [E, 2F, D] (gate first), so the gate is
+    `Part(name, 0, 2)` and the up projection `Part(name, 1, 2)`, both along axis 0 of [2F, D].
+    """
+
+    name: str
+    index: int
+    parts: int
+    axis: int = 0
+
+
+Source = str | Part  # a tensor name template ({i} layer, {e} expert) or a chunk of one
+
+
+@dataclasses.dataclass(frozen=True)
 class TensorRule:
     """One weight: where it lives in each format and how to bring it to our layout."""
 
     path: str  # our pytree path with `{i}` for the layer index, e.g. "layers.{i}.wq"
-    gguf: str | None  # e.g. "blk.{i}.attn_q.weight"
-    hf: str | None  # e.g. "model.layers.{i}.self_attn.q_proj.weight"
+    gguf: Source | tuple[Source, ...] | None  # e.g. "blk.{i}.attn_q.weight"; a tuple lists alternatives
+    hf: Source | tuple[Source, ...] | None  # e.g. "model.layers.{i}.self_attn.q_proj.weight"
     transform: Transform = Transform.NONE
     gguf_unpermute: str | None = None  # "q" or "k": undo llama.cpp's rotary row interleave
     # Added to the tensor when it comes from a GGUF file. llama.cpp's Gemma converter stores norm multipliers
@@ -87,6 +114,72 @@ def _flatten_with_paths(specs: Any) -> list[tuple[str, ParamSpec]]:
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class _Planned:
+    """One weight of the model resolved to the checkpoint tensor(s) that hold it."""
+
+    path: str
+    spec: ParamSpec
+    rule: TensorRule
+    names: tuple[str, ...]  # one tensor, or one per expert
+    part: Part | None
+    experts: int | None  # E when the spec's leading axis is EXPERTS (the transform then applies per expert)
+    per_expert: bool  # names are one tensor per expert (else one tensor, experts stacked first if any)
+
+    def source_shape(self) -> tuple[int, ...]:
+        """The shape each named checkpoint tensor must have."""
+        inner = self.spec.shape[1:] if self.experts is not None else self.spec.shape
+        shape = list(expected_source_shape(self.rule.transform, inner))
+        if self.part is not None:
+            shape[self.part.axis] *= self.part.parts
+        stacked = self.experts is not None and not self.per_expert
+        return (self.experts, *shape) if stacked else tuple(shape)
+
+    def to_our_layout(self, tensors: list[np.ndarray]) -> np.ndarray:
+        """Checkpoint tensors (postprocessed) -> one array of the spec's shape."""
+        if self.experts is None:
+            return to_our_layout(_take_part(tensors[0], self.part), self.rule.transform, self.spec.shape)
+        slices = tensors if self.per_expert else list(tensors[0])  # one [.., ..] per expert
+        inner = self.spec.shape[1:]
+        return np.stack([to_our_layout(_take_part(w, self.part), self.rule.transform, inner) for w in slices])
+
+
+def _take_part(w: np.ndarray, part: Part | None) -> np.ndarray:
+    return w if part is None else np.split(w, part.parts, axis=part.axis)[part.index]
+
+
+def _expand(source: Source, groups: dict[str, str], experts: int | None) -> tuple[tuple[str, ...], Part | None]:
+    """A source's concrete tensor names (one per expert when it has `{e}`) and its chunk, if any."""
+    part = source if isinstance(source, Part) else None
+    template = part.name if part is not None else source
+    for key, value in groups.items():
+        template = template.replace("{" + key + "}", value)
+    if "{e}" not in template:
+        return (template,), part
+    if experts is None:
+        raise CheckpointError(f"Tensor name {template!r} has an {{e}} placeholder but its weight has no experts axis "
+                              "(a bug in the model table).")
+    return tuple(template.replace("{e}", str(e)) for e in range(experts)), part
+
+
+def _plan_one(path: str, spec: ParamSpec, rule: TensorRule, groups: dict[str, str], fmt: str,
+              present: set[str]) -> _Planned:
+    """Resolve a weight to the first source the checkpoint holds completely (else the most complete one)."""
+    sources = getattr(rule, fmt)
+    if sources is None:
+        raise CheckpointError(f"Weight {path!r} has no {fmt} name in the mapping table.")
+    experts = spec.shape[0] if spec.logical_axes and spec.logical_axes[0] is Logical.EXPERTS else None
+    options = [(src, *_expand(src, groups, experts)) for src in (sources if isinstance(sources, tuple) else (sources,))]
+
+    def completeness(option: tuple[Source, tuple[str, ...], Part | None]) -> tuple[bool, int]:
+        found = sum(n in present for n in option[1])
+        return found == len(option[1]), found
+
+    src, names, part = max(options, key=completeness)  # max keeps the first of equals: table order decides
+    template = src.name if isinstance(src, Part) else src
+    return _Planned(path, spec, rule, names, part, experts, per_expert="{e}" in template)
+
+
 def _rule_for(path: str, rules: list[TensorRule]) -> tuple[TensorRule, dict[str, str]]:
     for rule in rules:
         pattern = "^" + re.escape(rule.path).replace(r"\{i\}", r"(?P<i>\d+)") + "$"
@@ -117,40 +210,38 @@ def assemble_weights(
     postprocess: Callable[[str, TensorRule, np.ndarray], np.ndarray] | None = None,
 ) -> Any:
     """Build the weights pytree from `source` (fmt: "gguf" or "hf"), checking names and shapes exhaustively."""
-    leaves = _flatten_with_paths(specs)
     plan = []
-    for path, spec in leaves:
+    for path, spec in _flatten_with_paths(specs):
         rule, groups = _rule_for(path, rules)
-        template = getattr(rule, fmt)
-        if template is None:
-            raise CheckpointError(f"Weight {path!r} has no {fmt} name in the mapping table.")
-        plan.append((path, spec, rule, template.format(**groups)))
+        plan.append(_plan_one(path, spec, rule, groups, fmt, source.names))
     _check_names_and_shapes(plan, source)
     arrays = []
-    for path, spec, rule, name in plan:
-        w = source.read(name)
+    for p in plan:
+        tensors = [source.read(name) for name in p.names]
         if postprocess is not None:
-            w = postprocess(path, rule, w)
-        w = np.ascontiguousarray(to_our_layout(w, rule.transform, spec.shape)).astype(spec.dtype)
-        arrays.append(_place(w, sharding_rules.sharding(mesh, spec.logical_axes)))
+            tensors = [postprocess(p.path, p.rule, w) for w in tensors]
+        w = np.ascontiguousarray(p.to_our_layout(tensors)).astype(p.spec.dtype)
+        del tensors
+        arrays.append(_place(w, sharding_rules.sharding(mesh, p.spec.logical_axes)))
     _, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     return jax.tree.unflatten(treedef, arrays)
 
 
-def _check_names_and_shapes(plan: list[tuple[str, ParamSpec, TensorRule, str]], source: TensorSource) -> None:
-    missing = [name for _, _, _, name in plan if name not in source.names]
+def _check_names_and_shapes(plan: list[_Planned], source: TensorSource) -> None:
+    missing = list(dict.fromkeys(name for p in plan for name in p.names if name not in source.names))
     if missing:
         shown = ", ".join(missing[:5]) + (f" (and {len(missing) - 5} more)" if len(missing) > 5 else "")
         raise CheckpointError(f"{source.description}: missing tensor(s) {shown}.")
-    for path, spec, rule, name in plan:
-        want = expected_source_shape(rule.transform, spec.shape)
-        got = tuple(source.shape_of(name))
-        if got != want:
-            raise CheckpointError(
-                f"{source.description}: tensor {name!r} has shape {list(got)} but the model config needs "
-                f"{list(want)} (for weight {path})."
-            )
-    used = {name for *_, name in plan}
+    for p in plan:
+        want = p.source_shape()
+        for name in p.names:
+            got = tuple(source.shape_of(name))
+            if got != want:
+                raise CheckpointError(
+                    f"{source.description}: tensor {name!r} has shape {list(got)} but the model config needs "
+                    f"{list(want)} (for weight {p.path})."
+                )
+    used = {name for p in plan for name in p.names}
     extra = sorted(n for n in source.names - used if not source.ignorable(n))
     if extra:
         shown = ", ".join(extra[:5]) + (f" (and {len(extra) - 5} more)" if len(extra) > 5 else "")

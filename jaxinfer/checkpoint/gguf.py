@@ -71,7 +71,7 @@ class GGUFCheckpoint:
         arch = self.metadata.get("general.architecture")
         if arch is None:
             raise CheckpointError(f"{self.path}: GGUF metadata has no general.architecture.")
-        return family_for_gguf(arch)
+        return family_for_gguf(arch, self.metadata)
 
     @cached_property
     def config(self) -> ModelConfig:

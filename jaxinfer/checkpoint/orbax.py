@@ -3,7 +3,8 @@
 Layout of DST:
   jaxinfer_model.json   model config + format version (the marker that this is ours)
   params/               orbax PyTree checkpoint of the weights pytree
-  tokenizer/            the tokenizer files (tokenizer.json or tokenizer.model + tokenizer_config.json)
+  tokenizer/            the tokenizer files (tokenizer.json or tokenizer.model + tokenizer_config.json), when the
+                        source had a tokenizer
 """
 
 from __future__ import annotations
@@ -35,7 +36,8 @@ def save_checkpoint(dst: str | Path, cfg: ModelConfig, weights: Any, tokenizer: 
     dst.mkdir(parents=True)
     with ocp.StandardCheckpointer() as ckptr:
         ckptr.save(dst / "params", weights)
-    tokenizer.save(dst / "tokenizer")
+    if tokenizer is not None:  # a checkpoint without one converts to one without one (token-id prompts)
+        tokenizer.save(dst / "tokenizer")
     meta = {"format_version": FORMAT_VERSION, "model_config": _config_to_json(cfg)}
     (dst / ORBAX_MARKER).write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
     return dst

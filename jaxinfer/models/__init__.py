@@ -8,7 +8,7 @@ from typing import Any
 
 from jaxinfer.checkpoint.assemble import CheckpointError, TensorRule
 from jaxinfer.config import ModelConfig
-from jaxinfer.models import gemma3, llama
+from jaxinfer.models import gemma3, llama, mixtral, qwen3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -17,13 +17,18 @@ class ModelFamily:
 
     name: str
     param_specs: Callable[..., Any]  # (cfg, dtype) -> weights pytree of ParamSpec
-    forward: Callable[..., Any]  # (weights, cfg, token_ids, md, kv_cache, attn_fn) -> (hidden, kv_cache)
+    # (weights, cfg, token_ids, md, kv_cache, attn_fn) -> (hidden, kv_cache); the MoE families (qwen3_moe,
+    # mixtral) also take `moe_fn=` (default jaxinfer.models.moe.moe_block) to swap the expert computation.
+    forward: Callable[..., Any]
     compute_logits: Callable[..., Any]  # (weights, cfg, hidden [S, D]) -> [S, V] float32
     checkpoint_rules: Callable[[], list[TensorRule]]
     config_from_gguf: Callable[[dict[str, Any]], ModelConfig]
     config_from_hf: Callable[[dict[str, Any]], ModelConfig]
     gguf_architectures: tuple[str, ...]
     hf_architectures: tuple[str, ...]
+    # GGUF files with routed experts (`{arch}.expert_count` > 0): True = only those, False = only files
+    # without, None = either. llama.cpp writes Mixtral as architecture "llama" with experts.
+    gguf_experts: bool | None = None
 
 
 LLAMA = ModelFamily(
@@ -36,6 +41,7 @@ LLAMA = ModelFamily(
     config_from_hf=llama.config_from_hf,
     gguf_architectures=("llama", "mistral"),
     hf_architectures=("LlamaForCausalLM", "MistralForCausalLM"),
+    gguf_experts=False,
 )
 
 GEMMA3 = ModelFamily(
@@ -50,7 +56,44 @@ GEMMA3 = ModelFamily(
     hf_architectures=("Gemma3ForCausalLM",),
 )
 
-FAMILIES: dict[str, ModelFamily] = {LLAMA.name: LLAMA, GEMMA3.name: GEMMA3}
+QWEN3 = ModelFamily(
+    name="qwen3",
+    param_specs=qwen3.param_specs,
+    forward=qwen3.forward,
+    compute_logits=qwen3.compute_logits,
+    checkpoint_rules=qwen3.checkpoint_rules,
+    config_from_gguf=qwen3.config_from_gguf,
+    config_from_hf=qwen3.config_from_hf,
+    gguf_architectures=("qwen3",),
+    hf_architectures=("Qwen3ForCausalLM",),
+)
+
+QWEN3_MOE = ModelFamily(
+    name="qwen3_moe",
+    param_specs=qwen3.moe_param_specs,
+    forward=qwen3.forward,  # the config decides which layers are sparse
+    compute_logits=qwen3.compute_logits,
+    checkpoint_rules=qwen3.checkpoint_rules,
+    config_from_gguf=qwen3.moe_config_from_gguf,
+    config_from_hf=qwen3.moe_config_from_hf,
+    gguf_architectures=("qwen3moe",),
+    hf_architectures=("Qwen3MoeForCausalLM",),
+)
+
+MIXTRAL = ModelFamily(
+    name="mixtral",
+    param_specs=mixtral.param_specs,
+    forward=mixtral.forward,
+    compute_logits=mixtral.compute_logits,
+    checkpoint_rules=mixtral.checkpoint_rules,
+    config_from_gguf=mixtral.config_from_gguf,
+    config_from_hf=mixtral.config_from_hf,
+    gguf_architectures=("llama", "mistral"),
+    hf_architectures=("MixtralForCausalLM",),
+    gguf_experts=True,
+)
+
+FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, GEMMA3, QWEN3, QWEN3_MOE, MIXTRAL)}
 
 
 def _supported(attr: str) -> str:
@@ -66,9 +109,11 @@ def family_for_config(cfg: ModelConfig) -> ModelFamily:
         ) from None
 
 
-def family_for_gguf(arch: str) -> ModelFamily:
+def family_for_gguf(arch: str, metadata: dict[str, Any] | None = None) -> ModelFamily:
+    """The family of a GGUF architecture; `metadata` tells a Llama file with experts (Mixtral) from one without."""
+    has_experts = bool((metadata or {}).get(f"{arch}.expert_count"))
     for family in FAMILIES.values():
-        if arch in family.gguf_architectures:
+        if arch in family.gguf_architectures and family.gguf_experts in (None, has_experts):
             return family
     raise CheckpointError(f"Unknown GGUF architecture {arch!r}; supported: {_supported('gguf_architectures')}.")
 

@@ -15,7 +15,14 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxinfer.checkpoint.assemble import CheckpointError
-from jaxinfer.config import ModelConfig, RopeScaling
+from jaxinfer.config import ConfigError, ModelConfig, RopeScaling
+
+# ModelConfig fields that only some families read; a family refuses the ones it would ignore.
+GEMMA_FIELDS = ("sliding_window", "sliding_window_pattern", "rope_local_theta", "query_pre_attn_scalar",
+                "attn_logit_softcap", "final_logit_softcap")
+MOE_FIELDS = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+              "decoder_sparse_step", "mlp_only_layers")
+MOE_REQUIRED = ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob")
 
 
 @struct.dataclass
@@ -34,6 +41,19 @@ class AttentionMetadata:
 # (q [T, N, H], k [T, K, H], v [T, K, H], k_pages [P, R, Kc, H], v_pages, md, **layer settings)
 #   -> (out [T, N, H], k_pages, v_pages)
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def refuse_fields(cfg: ModelConfig, fields: tuple[str, ...], family: str) -> None:
+    """A set field the family would silently ignore is an error naming it."""
+    for name in fields:
+        if getattr(cfg, name) is not None:
+            raise ConfigError(f"ModelConfig.{name} is set, but the {family} family does not implement it; remove it.")
+
+
+def require_fields(cfg: ModelConfig, fields: tuple[str, ...], family: str) -> None:
+    missing = [name for name in fields if getattr(cfg, name) is None]
+    if missing:
+        raise ConfigError(f"ModelConfig.{missing[0]} is not set, and {family} needs it (set {', '.join(missing)}).")
 
 
 def rms_norm(x: jax.Array, weight: jax.Array, eps: float, *, offset: float = 0.0) -> jax.Array:
@@ -126,3 +146,19 @@ def gguf_arch_key(meta: dict[str, Any]) -> Callable[..., Any]:
         return value
 
     return key
+
+
+def hf_rope_theta(hf: dict[str, Any], default: float) -> float:
+    """rope_theta at the top level (published configs) or inside rope_parameters (transformers 5)."""
+    params = hf.get("rope_parameters") or {}
+    return float(hf.get("rope_theta", params.get("rope_theta", default)))
+
+
+def hf_num_experts(hf: dict[str, Any]) -> int:
+    """`num_experts` (Qwen's published configs) or `num_local_experts` (Mixtral; transformers 5 writes it for both)."""
+    both = [hf[k] for k in ("num_experts", "num_local_experts") if hf.get(k) is not None]
+    if not both:
+        raise CheckpointError("config.json has neither num_experts nor num_local_experts.")
+    if len(set(both)) > 1:
+        raise CheckpointError(f"config.json sets num_experts={both[0]} but num_local_experts={both[1]}.")
+    return int(both[0])

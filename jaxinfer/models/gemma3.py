@@ -41,11 +41,13 @@ from jaxinfer.checkpoint.assemble import CheckpointError, TensorRule, Transform
 from jaxinfer.config import ConfigError, ModelConfig, RopeScaling
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.models.common import (
+    MOE_FIELDS,
     gguf_arch_key,
     AttentionFn,
     AttentionMetadata,
     apply_rope,
     gated_mlp,
+    refuse_fields,
     rms_norm,
     rope_inv_freq,
 )
@@ -148,6 +150,7 @@ def layer_specs(cfg: ModelConfig, dtype: jnp.dtype) -> Gemma3Layer:
 
 def param_specs(cfg: ModelConfig, dtype: jnp.dtype) -> Gemma3Weights:
     """The single declaration of every Gemma 3 weight: shape, dtype, logical axes, initializer."""
+    refuse_fields(cfg, MOE_FIELDS, "Gemma 3")
     d, v = cfg.hidden_size, cfg.vocab_size
     return Gemma3Weights(
         # Row lookup, so scale 1 (the sqrt(D) embedding scale brings it to the residual stream's size).

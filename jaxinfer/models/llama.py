@@ -66,7 +66,8 @@ def layer_specs(cfg: ModelConfig, dtype: jnp.dtype) -> LlamaLayer:
 
 
 _NOT_LLAMA_FIELDS = ("sliding_window", "sliding_window_pattern", "rope_local_theta", "query_pre_attn_scalar",
-                     "attn_logit_softcap", "final_logit_softcap")
+                     "attn_logit_softcap", "final_logit_softcap", "num_experts", "num_experts_per_tok",
+                     "moe_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
 
 
 def check_config(cfg: ModelConfig) -> None:

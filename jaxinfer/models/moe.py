@@ -1,0 +1,137 @@
+"""Dropless mixture-of-experts feed-forward (the reference path), shared by Qwen3-MoE and Mixtral.
+
+One MoE layer, for the T tokens of a step (letters: docs/ARCHITECTURE.md; k = experts per token):
+
+1. route: router logits in float32 (bf16 logits flip near-equal experts), softmax over all E experts, top-k,
+   optionally renormalized so the k weights sum to 1 (`norm_topk_prob`; Mixtral always does);
+2. dispatch: the T*k (token, expert) pairs sorted by expert, so each expert's rows are consecutive, and the
+   token rows gathered in that order [T*k, D];
+3. experts: SwiGLU as three grouped matmuls over those rows, `expert_matmul(lhs [M, D], rhs [E, D, F],
+   group_sizes [E]) -> [M, F]`, `jax.lax.ragged_dot` by default;
+4. combine: rows put back in (token, slot) order and summed with the routing weights.
+
+Dropless: every pair is computed, no capacity factor, so results never depend on what else is in the
+batch. Shapes are static (T*k rows whatever the routing); only the group sizes vary, so nothing recompiles.
+Padding tokens (past the step's real tokens) are sent to no expert: they sort last, past every group, and a
+grouped-matmul kernel can skip those rows. Their output rows are zeroed, so a kernel may leave them
+unwritten (ragged_dot writes zeros there; a kernel's garbage must never reach the trash KV page).
+
+Injection points, for the Pallas grouped matmul and expert-parallel dispatch that come later:
+`moe_block(..., expert_matmul=...)` swaps the grouped matmul, and the families' `forward(..., moe_fn=...)`
+swaps the whole block (same signature as `moe_block`, e.g. a `shard_map` over the `expert` mesh axis).
+The block also returns the per-expert token counts of the real tokens (`expert_token_counts`), which are
+its group sizes, for load-balance statistics.
+
+The router's expert axis is not the EXPERTS logical axis: every device needs all E logits to pick the
+top-k, and the router is small (D x E), so it stays replicated while the experts themselves shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxinfer.models.common import AttentionMetadata
+from jaxinfer.params import ParamSpec
+from jaxinfer.sharding import Logical as L
+
+# (lhs [M, D], rhs [E, D, F], group_sizes [E] int32) -> [M, F]: rows of expert e are consecutive, experts in
+# order; rows past sum(group_sizes) are padding.
+GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+@struct.dataclass
+class MoEWeights:
+    router: jax.Array  # [D, E]
+    w_gate: jax.Array  # [E, D, F]
+    w_up: jax.Array  # [E, D, F]
+    w_down: jax.Array  # [E, F, D]
+
+
+def moe_specs(hidden: int, expert_ffn: int, num_experts: int, dtype: jnp.dtype) -> MoEWeights:
+    d, f, e = hidden, expert_ffn, num_experts
+    return MoEWeights(
+        router=ParamSpec((d, e), dtype, (L.EMBED, None)),
+        w_gate=ParamSpec((e, d, f), dtype, (L.EXPERTS, L.EMBED, L.FFN), fan_in_axes=(1,)),
+        w_up=ParamSpec((e, d, f), dtype, (L.EXPERTS, L.EMBED, L.FFN), fan_in_axes=(1,)),
+        w_down=ParamSpec((e, f, d), dtype, (L.EXPERTS, L.FFN, L.EMBED), fan_in_axes=(1,)),
+    )
+
+
+@struct.dataclass
+class Routing:
+    weights: jax.Array  # [T, k] float32, the weight of each chosen expert
+    experts: jax.Array  # [T, k] int32, best first
+
+
+def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> Routing:
+    """Softmax over all experts in float32, the top-k of it, renormalized to sum 1 when asked."""
+    logits = jnp.einsum("td,de->te", x.astype(jnp.float32), router.astype(jnp.float32))  # [T, E]
+    probs = jax.nn.softmax(logits, axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)  # [T, k] each; ties go to the lower expert id
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return Routing(weights=weights, experts=experts.astype(jnp.int32))
+
+
+def expert_token_counts(experts: jax.Array, num_experts: int, valid: jax.Array | None = None) -> jax.Array:
+    """How many (token, slot) pairs each expert receives: experts [T, k], valid [T] bool -> [E] int32.
+
+    Padding tokens (valid False) count for no expert. Summed over a step these are the load-balance
+    statistics, and they are exactly the grouped matmul's group sizes.
+    """
+    ids = _pair_experts(experts, num_experts, valid)  # [T*k]
+    return jnp.zeros((num_experts,), jnp.int32).at[ids].add(1, mode="drop")  # the sentinel E is dropped
+
+
+def _pair_experts(experts: jax.Array, num_experts: int, valid: jax.Array | None) -> jax.Array:
+    """Flat expert id of each pair [T*k]; padding tokens get the sentinel E (past every real expert)."""
+    if valid is not None:
+        experts = jnp.where(valid[:, None], experts, num_experts)
+    return experts.reshape(-1)
+
+
+def valid_tokens(md: AttentionMetadata, num_tokens: int) -> jax.Array:
+    """[T] bool: the step's real tokens; the rest is bucket padding (cu_q_lens[-1] counts the real ones)."""
+    return jnp.arange(num_tokens) < md.cu_q_lens[-1]
+
+
+def swiglu_experts(xs: jax.Array, w: MoEWeights, group_sizes: jax.Array, expert_matmul: GroupedMatmul) -> jax.Array:
+    """Each row through its own expert's SwiGLU: xs [M, D] sorted by expert -> [M, D]."""
+    gate = expert_matmul(xs, w.w_gate, group_sizes)  # [M, F]
+    up = expert_matmul(xs, w.w_up, group_sizes)  # [M, F]
+    return expert_matmul(jax.nn.silu(gate) * up, w.w_down, group_sizes)  # [M, D]
+
+
+def moe_block(
+    x: jax.Array,
+    w: MoEWeights,
+    *,
+    top_k: int,
+    norm_topk_prob: bool,
+    valid: jax.Array | None = None,
+    expert_matmul: GroupedMatmul = jax.lax.ragged_dot,
+) -> tuple[jax.Array, jax.Array]:
+    """x [T, D] -> (MoE output [T, D] in x's dtype, per-expert token counts [E] int32)."""
+    t, d = x.shape
+    e = w.w_gate.shape[0]
+    routing = route(x, w.router, top_k, norm_topk_prob)
+    ids = _pair_experts(routing.experts, e, valid)  # [T*k]
+    order = jnp.argsort(ids, stable=True)  # [T*k] pair index of each sorted row; padding pairs last
+    group_sizes = expert_token_counts(routing.experts, e, valid)  # [E]
+    xs = jnp.take(x, order // top_k, axis=0)  # [T*k, D], pair p belongs to token p // k
+    ys = swiglu_experts(xs, w, group_sizes, expert_matmul)  # [T*k, D] in sorted order
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * top_k, dtype=order.dtype))  # [T*k]
+    y = jnp.take(ys, inverse, axis=0).reshape(t, top_k, d)  # [T, k, D] back in (token, slot) order
+    weights = routing.weights if valid is None else jnp.where(valid[:, None], routing.weights, 0.0)  # [T, k]
+    if valid is not None:
+        y = jnp.where(valid[:, None, None], y, 0)  # rows a kernel may have left unwritten
+    out = jnp.einsum("tkd,tk->td", y.astype(jnp.float32), weights)  # [T, D], summed in float32
+    return out.astype(x.dtype), group_sizes
+
+
+# (x [T, D], weights, *, top_k, norm_topk_prob, valid [T] bool) -> (out [T, D], counts [E]); `moe_block` is one.
+MoEFn = Callable[..., tuple[jax.Array, jax.Array]]

@@ -1,0 +1,329 @@
+"""Qwen3 dense and Qwen3-MoE (HF Qwen3ForCausalLM / Qwen3MoeForCausalLM, GGUF qwen3 / qwen3moe).
+
+Same contract as the Llama family (weights are data, `forward` is a function over the paged KV cache, no
+batch axis). What Qwen3 adds to Llama:
+
+- QK-norm: a plain RMSNorm with a learned [H] weight (no Gemma-style 1 + w) over head_dim of every query and
+  key head, before RoPE;
+- head_dim is its own field (Qwen3-30B-A3B: 32 heads of 128 on a 2048-wide model);
+- Qwen3-MoE: the feed-forward of layer i is a routed mixture of experts (jaxinfer.models.moe) when
+  `(i + 1) % decoder_sparse_step == 0` and i is not in `mlp_only_layers`, else a dense SwiGLU of width
+  `intermediate_size`. Every published Qwen3-MoE has step 1 and no dense layers. Routing is softmax top-k,
+  renormalized when `norm_topk_prob` (true in the published configs; HF's default is false).
+
+Both models are one module because they differ only in the feed-forward; they are two families so that
+each refuses the other's config (a dense Qwen3 config with experts is a mistake, not a MoE model).
+GGUF: llama.cpp keeps HF's Q/K row order for Qwen (no un-permute) and its qwen3moe graph always renormalizes
+the top-k weights and makes every layer sparse.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+from jaxinfer.checkpoint.assemble import CheckpointError, Part, TensorRule, Transform
+from jaxinfer.config import ModelConfig
+from jaxinfer.kv_cache import KVCache
+from jaxinfer.models import llama
+from jaxinfer.models.common import (
+    GEMMA_FIELDS,
+    MOE_FIELDS,
+    MOE_REQUIRED,
+    AttentionFn,
+    AttentionMetadata,
+    apply_rope,
+    gated_mlp,
+    gguf_arch_key,
+    hf_num_experts,
+    hf_rope_theta,
+    refuse_fields,
+    require_fields,
+    rms_norm,
+    rope_inv_freq,
+)
+from jaxinfer.models.moe import MoEFn, MoEWeights, moe_block, moe_specs, valid_tokens
+from jaxinfer.params import Init, ParamSpec
+from jaxinfer.sharding import Logical as L
+
+@struct.dataclass
+class DenseMLP:
+    w_gate: jax.Array  # [D, F]
+    w_up: jax.Array  # [D, F]
+    w_down: jax.Array  # [F, D]
+
+
+@struct.dataclass
+class Qwen3Layer:
+    attn_norm: jax.Array  # [D] input_layernorm
+    wq: jax.Array  # [D, N, H]
+    wk: jax.Array  # [D, K, H]
+    wv: jax.Array  # [D, K, H]
+    q_norm: jax.Array  # [H]
+    k_norm: jax.Array  # [H]
+    wo: jax.Array  # [N, H, D]
+    mlp_norm: jax.Array  # [D] post_attention_layernorm (before the feed-forward)
+    mlp: DenseMLP | None  # dense layers
+    moe: MoEWeights | None  # mixture-of-experts layers
+
+
+@struct.dataclass
+class Qwen3Weights:
+    embed: jax.Array  # [V, D]
+    layers: tuple[Qwen3Layer, ...]
+    final_norm: jax.Array  # [D]
+    lm_head: jax.Array | None  # [D, V]; None when tied to the embedding
+
+
+def check_dense_config(cfg: ModelConfig) -> None:
+    refuse_fields(cfg, GEMMA_FIELDS + MOE_FIELDS, "Qwen3")
+
+
+def check_moe_config(cfg: ModelConfig) -> None:
+    refuse_fields(cfg, GEMMA_FIELDS, "Qwen3-MoE")
+    require_fields(cfg, MOE_REQUIRED, "Qwen3-MoE")
+
+
+def is_moe_layer(cfg: ModelConfig, layer: int) -> bool:
+    """HF's rule: sparse when (layer + 1) % decoder_sparse_step == 0 and not listed in mlp_only_layers."""
+    if cfg.num_experts is None:
+        return False
+    step = cfg.decoder_sparse_step or 1
+    return (layer + 1) % step == 0 and layer not in (cfg.mlp_only_layers or ())
+
+
+def layer_specs(cfg: ModelConfig, dtype: jnp.dtype, moe: bool) -> Qwen3Layer:
+    d, n, k, h, f = cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_size, cfg.intermediate_size
+    dense = DenseMLP(
+        w_gate=ParamSpec((d, f), dtype, (L.EMBED, L.FFN)),
+        w_up=ParamSpec((d, f), dtype, (L.EMBED, L.FFN)),
+        w_down=ParamSpec((f, d), dtype, (L.FFN, L.EMBED)),
+    )
+    return Qwen3Layer(
+        attn_norm=ParamSpec((d,), dtype, (L.EMBED,), Init.ONES),
+        wq=ParamSpec((d, n, h), dtype, (L.EMBED, L.Q_HEADS, L.HEAD_DIM)),
+        wk=ParamSpec((d, k, h), dtype, (L.EMBED, L.KV_HEADS, L.HEAD_DIM)),
+        wv=ParamSpec((d, k, h), dtype, (L.EMBED, L.KV_HEADS, L.HEAD_DIM)),
+        q_norm=ParamSpec((h,), dtype, (L.HEAD_DIM,), Init.ONES),
+        k_norm=ParamSpec((h,), dtype, (L.HEAD_DIM,), Init.ONES),
+        wo=ParamSpec((n, h, d), dtype, (L.Q_HEADS, L.HEAD_DIM, L.EMBED), fan_in_axes=(0, 1)),
+        mlp_norm=ParamSpec((d,), dtype, (L.EMBED,), Init.ONES),
+        mlp=None if moe else dense,
+        moe=moe_specs(d, cfg.moe_intermediate_size, cfg.num_experts, dtype) if moe else None,
+    )
+
+
+def _param_specs(cfg: ModelConfig, dtype: jnp.dtype) -> Qwen3Weights:
+    d, v = cfg.hidden_size, cfg.vocab_size
+    return Qwen3Weights(
+        embed=ParamSpec((v, d), dtype, (L.VOCAB, L.EMBED), fan_in_axes=()),  # row lookup: scale 1
+        layers=tuple(layer_specs(cfg, dtype, is_moe_layer(cfg, i)) for i in range(cfg.num_layers)),
+        final_norm=ParamSpec((d,), dtype, (L.EMBED,), Init.ONES),
+        lm_head=None if cfg.tie_word_embeddings else ParamSpec((d, v), dtype, (L.EMBED, L.VOCAB)),
+    )
+
+
+def param_specs(cfg: ModelConfig, dtype: jnp.dtype) -> Qwen3Weights:
+    """Every Qwen3 (dense) weight: shape, dtype, logical axes, initializer."""
+    check_dense_config(cfg)
+    return _param_specs(cfg, dtype)
+
+
+def moe_param_specs(cfg: ModelConfig, dtype: jnp.dtype) -> Qwen3Weights:
+    """Every Qwen3-MoE weight; MoE layers carry `moe`, dense ones `mlp`."""
+    check_moe_config(cfg)
+    return _param_specs(cfg, dtype)
+
+
+def attention_block(
+    layer: Qwen3Layer,
+    x: jax.Array,
+    k_pages: jax.Array,
+    v_pages: jax.Array,
+    md: AttentionMetadata,
+    inv_freq: jax.Array,
+    eps: float,
+    attn_fn: AttentionFn,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    q = jnp.einsum("td,dnh->tnh", x, layer.wq)  # [T, N, H]
+    k = jnp.einsum("td,dkh->tkh", x, layer.wk)  # [T, K, H]
+    v = jnp.einsum("td,dkh->tkh", x, layer.wv)  # [T, K, H]
+    q = apply_rope(rms_norm(q, layer.q_norm, eps), md.positions, inv_freq)  # norm over H, per head
+    k = apply_rope(rms_norm(k, layer.k_norm, eps), md.positions, inv_freq)
+    attn, k_pages, v_pages = attn_fn(q, k, v, k_pages, v_pages, md)  # [T, N, H]
+    out = jnp.einsum("tnh,nhd->td", attn, layer.wo)  # [T, D]
+    return out, k_pages, v_pages
+
+
+def feed_forward(layer: Qwen3Layer, h: jax.Array, cfg: ModelConfig, valid: jax.Array, moe_fn: MoEFn) -> jax.Array:
+    if layer.moe is None:
+        return gated_mlp(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down, "silu")
+    out, _ = moe_fn(h, layer.moe, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, valid=valid)
+    return out
+
+
+def forward(
+    weights: Qwen3Weights,
+    cfg: ModelConfig,
+    token_ids: jax.Array,
+    md: AttentionMetadata,
+    kv_cache: KVCache,
+    attn_fn: AttentionFn,
+    *,
+    moe_fn: MoEFn = moe_block,
+) -> tuple[jax.Array, KVCache]:
+    """token_ids [T] -> final normed hidden states [T, D] and the updated cache (layer loop unrolled).
+
+    `moe_fn` replaces the MoE block of sparse layers (a Pallas grouped matmul, expert-parallel dispatch).
+    """
+    eps = cfg.rms_norm_eps
+    inv_freq = rope_inv_freq(cfg.head_size, cfg.rope_theta, cfg)
+    x = jnp.take(weights.embed, token_ids, axis=0)  # [T, D]
+    valid = valid_tokens(md, x.shape[0])  # [T]
+    new_k, new_v = [], []
+    for layer, k_pages, v_pages in zip(weights.layers, kv_cache.k, kv_cache.v):
+        h = rms_norm(x, layer.attn_norm, eps)
+        attn_out, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, inv_freq, eps, attn_fn)
+        x = x + attn_out
+        x = x + feed_forward(layer, rms_norm(x, layer.mlp_norm, eps), cfg, valid, moe_fn)
+        new_k.append(k_pages)
+        new_v.append(v_pages)
+    x = rms_norm(x, weights.final_norm, eps)
+    return x, KVCache(k=tuple(new_k), v=tuple(new_v))
+
+
+compute_logits = llama.compute_logits  # hidden [S, D] -> float32 [S, V], tied or not
+
+
+def checkpoint_rules() -> list[TensorRule]:
+    """Declarative name map for GGUF (llama.cpp names) and HF safetensors checkpoints.
+
+    Expert weights load from HF's published per-expert tensors (`{e}`), transformers 5's fused
+    `experts.gate_up_proj` [E, 2F, D] / `experts.down_proj` [E, D, F], or GGUF's stacked `ffn_*_exps`.
+    """
+    T = Transform
+    hf = "model.layers.{i}."
+    fused = hf + "mlp.experts.gate_up_proj"
+    return [
+        TensorRule("embed", "token_embd.weight", "model.embed_tokens.weight"),
+        TensorRule("final_norm", "output_norm.weight", "model.norm.weight"),
+        TensorRule("lm_head", "output.weight", "lm_head.weight", T.LINEAR),
+        TensorRule("layers.{i}.attn_norm", "blk.{i}.attn_norm.weight", hf + "input_layernorm.weight"),
+        TensorRule("layers.{i}.wq", "blk.{i}.attn_q.weight", hf + "self_attn.q_proj.weight", T.LINEAR_TO_HEADS),
+        TensorRule("layers.{i}.wk", "blk.{i}.attn_k.weight", hf + "self_attn.k_proj.weight", T.LINEAR_TO_HEADS),
+        TensorRule("layers.{i}.wv", "blk.{i}.attn_v.weight", hf + "self_attn.v_proj.weight", T.LINEAR_TO_HEADS),
+        TensorRule("layers.{i}.q_norm", "blk.{i}.attn_q_norm.weight", hf + "self_attn.q_norm.weight"),
+        TensorRule("layers.{i}.k_norm", "blk.{i}.attn_k_norm.weight", hf + "self_attn.k_norm.weight"),
+        TensorRule("layers.{i}.wo", "blk.{i}.attn_output.weight", hf + "self_attn.o_proj.weight",
+                   T.LINEAR_FROM_HEADS),
+        TensorRule("layers.{i}.mlp_norm", "blk.{i}.ffn_norm.weight", hf + "post_attention_layernorm.weight"),
+        TensorRule("layers.{i}.mlp.w_gate", "blk.{i}.ffn_gate.weight", hf + "mlp.gate_proj.weight", T.LINEAR),
+        TensorRule("layers.{i}.mlp.w_up", "blk.{i}.ffn_up.weight", hf + "mlp.up_proj.weight", T.LINEAR),
+        TensorRule("layers.{i}.mlp.w_down", "blk.{i}.ffn_down.weight", hf + "mlp.down_proj.weight", T.LINEAR),
+        TensorRule("layers.{i}.moe.router", "blk.{i}.ffn_gate_inp.weight", hf + "mlp.gate.weight", T.LINEAR),
+        TensorRule("layers.{i}.moe.w_gate", "blk.{i}.ffn_gate_exps.weight",
+                   (hf + "mlp.experts.{e}.gate_proj.weight", Part(fused, 0, 2)), T.LINEAR),
+        TensorRule("layers.{i}.moe.w_up", "blk.{i}.ffn_up_exps.weight",
+                   (hf + "mlp.experts.{e}.up_proj.weight", Part(fused, 1, 2)), T.LINEAR),
+        TensorRule("layers.{i}.moe.w_down", "blk.{i}.ffn_down_exps.weight",
+                   (hf + "mlp.experts.{e}.down_proj.weight", hf + "mlp.experts.down_proj"), T.LINEAR),
+    ]
+
+
+def _gguf_base(meta: dict[str, Any], architecture: str) -> dict[str, Any]:
+    """ModelConfig fields common to GGUF qwen3 and qwen3moe."""
+    arch = meta["general.architecture"]
+    key = gguf_arch_key(meta)
+    n_heads = int(key("attention.head_count"))
+    vocab = meta.get(f"{arch}.vocab_size") or len(meta.get("tokenizer.ggml.tokens", ()))
+    return dict(
+        architecture=architecture,
+        vocab_size=int(vocab),
+        hidden_size=int(key("embedding_length")),
+        intermediate_size=int(key("feed_forward_length")),
+        num_layers=int(key("block_count")),
+        num_heads=n_heads,
+        num_kv_heads=int(key("attention.head_count_kv", n_heads)),
+        head_dim=int(key("attention.key_length")),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(key("rope.freq_base", 1_000_000.0)),
+        max_position_embeddings=int(key("context_length", 40960)),
+        tie_word_embeddings=False,  # decided by the presence of output.weight in the loader
+        bos_token_id=meta.get("tokenizer.ggml.bos_token_id"),
+        eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
+    )
+
+
+def config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from llama.cpp `qwen3.*` metadata."""
+    return ModelConfig(**_gguf_base(meta, "qwen3"))
+
+
+def moe_config_from_gguf(meta: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from llama.cpp `qwen3moe.*` metadata: every layer sparse, top-k renormalized (as llama.cpp)."""
+    key = gguf_arch_key(meta)
+    return ModelConfig(
+        **_gguf_base(meta, "qwen3_moe"),
+        num_experts=int(key("expert_count")),
+        num_experts_per_tok=int(key("expert_used_count")),
+        moe_intermediate_size=int(key("expert_feed_forward_length")),
+        norm_topk_prob=bool(key("expert_weights_norm", True)),
+    )
+
+
+def _check_hf_attention(hf: dict[str, Any], family: str) -> None:
+    """Refuse what this family does not implement instead of computing something else."""
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    rope_type = rope.get("rope_type", rope.get("type", "default"))
+    if rope_type != "default":
+        raise CheckpointError(f"config.json rope type {rope_type!r} is not supported for {family} (default only).")
+    if hf.get("use_sliding_window"):
+        raise CheckpointError(f"config.json sets use_sliding_window=true, which jaxinfer's {family} does not implement.")
+    if hf.get("attention_bias"):
+        raise CheckpointError(f"config.json sets attention_bias=true, which jaxinfer's {family} does not implement.")
+    if hf.get("hidden_act", "silu") != "silu":
+        raise CheckpointError(f"config.json hidden_act {hf['hidden_act']!r} is not supported for {family} (silu).")
+
+
+def _hf_base(hf: dict[str, Any], architecture: str) -> dict[str, Any]:
+    eos = hf.get("eos_token_id")
+    return dict(
+        architecture=architecture,
+        vocab_size=hf["vocab_size"],
+        hidden_size=hf["hidden_size"],
+        intermediate_size=hf["intermediate_size"],
+        num_layers=hf["num_hidden_layers"],
+        num_heads=hf["num_attention_heads"],
+        num_kv_heads=hf.get("num_key_value_heads") or hf["num_attention_heads"],
+        head_dim=hf.get("head_dim"),
+        rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+        rope_theta=hf_rope_theta(hf, 10000.0),
+        max_position_embeddings=hf.get("max_position_embeddings", 32768),
+        tie_word_embeddings=hf.get("tie_word_embeddings", False),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_id=eos[0] if isinstance(eos, list) else eos,
+    )
+
+
+def config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from an HF `config.json` (Qwen3ForCausalLM)."""
+    _check_hf_attention(hf, "Qwen3")
+    return ModelConfig(**_hf_base(hf, "qwen3"))
+
+
+def moe_config_from_hf(hf: dict[str, Any]) -> ModelConfig:
+    """ModelConfig from an HF `config.json` (Qwen3MoeForCausalLM); absent fields take HF's defaults."""
+    _check_hf_attention(hf, "Qwen3-MoE")
+    return ModelConfig(
+        **_hf_base(hf, "qwen3_moe"),
+        num_experts=hf_num_experts(hf),
+        num_experts_per_tok=hf.get("num_experts_per_tok", 8),
+        moe_intermediate_size=hf.get("moe_intermediate_size", 768),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        decoder_sparse_step=hf.get("decoder_sparse_step", 1),
+        mlp_only_layers=tuple(hf.get("mlp_only_layers") or ()),
+    )
+

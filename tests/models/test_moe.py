@@ -1,0 +1,119 @@
+"""The dropless MoE block: routing, sort/group/un-permute against a per-token loop, counts, padding, injection."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.models.moe import MoEWeights, expert_token_counts, moe_block, route
+from moe_reference import reference_moe, reference_routing
+
+T, D, F, E = 13, 16, 8, 8
+
+
+def random_moe(seed: int, router_scale: float = 3.0) -> tuple[np.ndarray, MoEWeights]:
+    r = np.random.default_rng(seed)
+    n = lambda *s: r.standard_normal(s).astype(np.float32)  # noqa: E731
+    w = MoEWeights(router=n(D, E) * router_scale / np.sqrt(D), w_gate=n(E, D, F) / np.sqrt(D),
+                   w_up=n(E, D, F) / np.sqrt(D), w_down=n(E, F, D) / np.sqrt(F))
+    return n(T, D), jax.tree.map(jnp.asarray, w)
+
+
+@pytest.mark.parametrize("renorm", [True, False])
+def test_routing_matches_softmax_top_k(renorm: bool) -> None:
+    x, w = random_moe(0)
+    got = route(jnp.asarray(x), w.router, 2, renorm)
+    want_w, want_e = reference_routing(x, w.router, 2, renorm)
+    np.testing.assert_array_equal(np.asarray(got.experts), want_e)
+    np.testing.assert_allclose(np.asarray(got.weights), want_w, rtol=1e-5)
+    assert got.weights.dtype == jnp.float32
+    if renorm:
+        np.testing.assert_allclose(np.asarray(got.weights).sum(-1), 1.0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("top_k, renorm", [(1, False), (2, True), (3, False), (8, True)])
+def test_block_equals_per_token_loop(top_k: int, renorm: bool) -> None:
+    x, w = random_moe(1)
+    out, counts = moe_block(jnp.asarray(x), w, top_k=top_k, norm_topk_prob=renorm)
+    np.testing.assert_allclose(np.asarray(out), reference_moe(x, w, top_k, renorm), rtol=1e-5, atol=1e-6)
+    assert int(counts.sum()) == T * top_k
+
+
+def test_dropless_when_every_token_picks_the_same_expert() -> None:
+    """A router that sends all 13 tokens to expert 5 (far over any capacity of T*k/E): nothing is dropped."""
+    x, w = random_moe(2)
+    router = np.asarray(w.router).copy()
+    x = np.abs(x)
+    router[:, 5] = 50.0  # x >= 0, so expert 5 wins for every token
+    w = w.replace(router=jnp.asarray(router))
+    out, counts = moe_block(jnp.asarray(x), w, top_k=2, norm_topk_prob=True)
+    assert int(counts[5]) == T
+    np.testing.assert_allclose(np.asarray(out), reference_moe(x, w, 2, True), rtol=1e-5, atol=1e-6)
+
+
+def test_padding_tokens_go_to_no_expert() -> None:
+    x, w = random_moe(3)
+    valid = np.arange(T) < 9
+    out, counts = moe_block(jnp.asarray(x), w, top_k=2, norm_topk_prob=True, valid=jnp.asarray(valid))
+    np.testing.assert_allclose(np.asarray(out)[:9], reference_moe(x[:9], w, 2, True), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(out)[9:], 0.0)
+    _, experts = reference_routing(x[:9], w.router, 2, True)
+    np.testing.assert_array_equal(np.asarray(counts), np.bincount(experts.ravel(), minlength=E))
+
+
+def test_expert_token_counts() -> None:
+    experts = jnp.asarray([[0, 3], [3, 1], [7, 3], [2, 0]], jnp.int32)
+    np.testing.assert_array_equal(np.asarray(expert_token_counts(experts, 8)), [2, 1, 1, 3, 0, 0, 0, 1])
+    valid = jnp.asarray([True, True, False, True])
+    np.testing.assert_array_equal(np.asarray(expert_token_counts(experts, 8, valid)), [2, 1, 1, 2, 0, 0, 0, 0])
+
+
+def test_expert_matmul_is_injectable() -> None:
+    """A stand-in grouped matmul (dense per-row expert lookup) gets the sorted rows and gives the same result."""
+    x, w = random_moe(4)
+    calls = []
+
+    def gathered_matmul(lhs, rhs, group_sizes):  # lhs [M, D], rhs [E, D, F], group_sizes [E]
+        calls.append((lhs.shape, rhs.shape))
+        ends = jnp.cumsum(group_sizes)  # row r belongs to the first group whose end is past r
+        expert = jnp.searchsorted(ends, jnp.arange(lhs.shape[0]), side="right")  # [M]; past the end: E
+        per_row = jnp.take(rhs, jnp.minimum(expert, rhs.shape[0] - 1), axis=0)  # [M, D, F]
+        out = jnp.einsum("md,mdf->mf", lhs, per_row)  # [M, F]
+        return jnp.where((expert < rhs.shape[0])[:, None], out, 0.0)
+
+    ours, _ = moe_block(jnp.asarray(x), w, top_k=2, norm_topk_prob=False, expert_matmul=gathered_matmul)
+    ref, _ = moe_block(jnp.asarray(x), w, top_k=2, norm_topk_prob=False)
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    assert [c[0] for c in calls] == [(T * 2, D), (T * 2, D), (T * 2, F)]  # gate, up, down over T*k rows
+
+
+def test_unwritten_padding_rows_never_reach_the_output() -> None:
+    """A kernel may leave rows past the groups unwritten (garbage, even NaN): padding outputs stay 0."""
+    x, w = random_moe(5)
+    nan_tail = lambda lhs, rhs, gs: jnp.where(  # noqa: E731
+        (jnp.arange(lhs.shape[0]) < gs.sum())[:, None], jax.lax.ragged_dot(lhs, rhs, gs), jnp.nan)
+    valid = jnp.arange(T) < 7
+    out, _ = moe_block(jnp.asarray(x), w, top_k=2, norm_topk_prob=True, valid=valid, expert_matmul=nan_tail)
+    assert np.isfinite(np.asarray(out)).all()
+    np.testing.assert_allclose(np.asarray(out)[:7], reference_moe(x[:7], w, 2, True), rtol=1e-5, atol=1e-6)
+
+
+def test_one_compile_for_any_routing() -> None:
+    """Static shapes: new routings (other group sizes) reuse the compiled program."""
+    block = jax.jit(lambda x, w: moe_block(x, w, top_k=2, norm_topk_prob=True))
+    for seed in range(3):
+        x, w = random_moe(10 + seed)
+        block(jnp.asarray(x), w)
+    assert block._cache_size() == 1
+
+
+def test_bfloat16_activations_route_in_float32() -> None:
+    x, w = random_moe(6)
+    wb = jax.tree.map(lambda a: a.astype(jnp.bfloat16), w)
+    out, _ = moe_block(jnp.asarray(x, jnp.bfloat16), wb, top_k=2, norm_topk_prob=True)
+    assert out.dtype == jnp.bfloat16
+    ref = reference_moe(np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32), jax.tree.map(
+        lambda a: np.asarray(a, np.float32), wb), 2, True)
+    assert np.linalg.norm(np.asarray(out, np.float32) - ref) / np.linalg.norm(ref) < 2e-2
