@@ -10,10 +10,13 @@ Why the write lives here and not in the model: under tensor parallelism both the
 and the kernel must run per device, on that device's heads and its shard of the pages. A Pallas kernel is
 an opaque custom call to XLA's SPMD partitioner, which can only run it replicated: it would all-gather the
 whole KV cache and the queries onto every device every layer (that made TP=2 23x slower than one GPU and
-ran out of memory compiling). So with a mesh whose `tensor` axis is larger than one, the write and the
-kernel run inside one `jax.shard_map` over `tensor`: queries split by head, the cache split by head
-(`HeadLayout`), metadata replicated, no collective inside. The jnp reference goes through the same
-wrapper, so CPU tests exercise the sharded path the kernels take.
+ran out of memory compiling). So with a mesh whose model axes (`expert` x `tensor`, see jaxinfer.sharding)
+hold more than one device, the write and the kernel run inside one `jax.shard_map`: queries split by head,
+the cache split by head (`HeadLayout`), metadata replicated, no collective inside. With a `seq` axis
+(sequence parallelism) each device also takes a contiguous slice of the step's query tokens, with metadata
+rewritten for that slice (`local_query_metadata`), while the new keys and values arrive whole: the cache is
+replicated over `seq`, so every device writes every new token and attends over the full prefix. The jnp
+reference goes through the same wrapper, so CPU tests exercise the sharded path the kernels take.
 
 When KV heads are replicated (fewer KV heads than devices), the k/v projections are computed whole on
 every device (the weights are small) and each device keeps the one KV head its query heads read.
@@ -25,16 +28,15 @@ import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.common import AttentionFn, AttentionMetadata, write_kv
-from jaxinfer.sharding import HeadLayout, axis_size, head_layout
+from jaxinfer.sharding import flat_axes, axis_size, head_layout, model_axes, model_parallel_size
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolve_impl
 
-TENSOR = "tensor"
-HEADS_SPEC = P(None, TENSOR, None)  # [T, heads, H] split by head
-CACHE_SPEC = P(None, None, TENSOR, None)  # [P, R, K, H] split by head
+SEQ = "seq"
 
 
 def attention_scale(cfg: ModelConfig) -> float:
@@ -44,40 +46,69 @@ def attention_scale(cfg: ModelConfig) -> float:
 
 def _write_and_attend(
     q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata,
-    *, impl: str, interpret: bool, sm_scale: float, **layer: Any,
+    query_md: AttentionMetadata | None = None, *, impl: str, interpret: bool, sm_scale: float, **layer: Any,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """One device's (or the whole unsharded) step: scatter k/v [T, K, H] into the pages, attend [T, N, H]."""
+    """One device's (or the whole unsharded) step: scatter k/v [T, K, H] into the pages, attend [Tq, N, H].
+
+    `query_md` describes the queries when they are a slice of the step's tokens (sequence parallelism);
+    the writes always cover all of them (`md`)."""
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
+    qmd = md if query_md is None else query_md
     out = ragged_paged_attention(
-        q, k_pages, v_pages, md.kv_lens, md.page_indices, md.cu_q_lens, md.num_seqs,
+        q, k_pages, v_pages, qmd.kv_lens, qmd.page_indices, qmd.cu_q_lens, qmd.num_seqs,
         sm_scale=sm_scale, impl=impl, interpret=interpret, **layer,
     )
     return out, k_pages, v_pages
 
 
-def _own_kv_head(x: jax.Array, replicas: int) -> jax.Array:
+def _own_kv_head(x: jax.Array, replicas: int, axes: tuple[str, ...]) -> jax.Array:
     """[T, K, H] whole on every device -> [T, 1, H]: the KV head this device's query heads read.
 
-    Device d of the tensor axis holds query heads d*N/tp .. (d+1)*N/tp - 1, all inside group d // replicas.
+    Device d of the model axes holds query heads d*N/n .. (d+1)*N/n - 1, all inside group d // replicas.
     """
-    head = jax.lax.axis_index(TENSOR) // replicas
+    head = jax.lax.axis_index(axes) // replicas
     return jax.lax.dynamic_slice_in_dim(x, head, 1, axis=1)  # [T, 1, H]
 
 
-def _sharded(local: AttentionFn, mesh: Mesh, layout: HeadLayout) -> AttentionFn:
-    """Run `local` per device over `tensor`: heads and cache split, metadata replicated."""
-    kv_spec = HEADS_SPEC if layout.kv_sharded else P()
+def local_query_metadata(md: AttentionMetadata, tokens_per_device: int) -> AttentionMetadata:
+    """The metadata of this device's slice [a, a + n) of the step's flat tokens (sequence parallelism).
 
-    def per_device(q, k, v, k_pages, v_pages, md, **layer):
-        if not layout.kv_sharded:
-            k, v = _own_kv_head(k, layout.kv_replicas), _own_kv_head(v, layout.kv_replicas)
-        return local(q, k, v, k_pages, v_pages, md, **layer)
+    Sequence s keeps the part of its new tokens inside the slice; its last kept token sits at position
+    kv_len - (tokens of s after the slice), so that shortened kv_len keeps the contract that a sequence's new
+    tokens end its kv range (keys past it are causally masked anyway). Sequences with no token in the
+    slice get zero queries."""
+    a = jax.lax.axis_index(SEQ) * tokens_per_device
+    ends = jnp.clip(md.cu_q_lens, a, a + tokens_per_device)  # [S+1]
+    after = md.cu_q_lens[1:] - ends[1:]  # [S] tokens of each sequence past the slice
+    return md.replace(cu_q_lens=(ends - a).astype(jnp.int32), kv_lens=jnp.maximum(md.kv_lens - after, 0))
+
+
+def _sharded(local: AttentionFn, mesh: Mesh, cfg: ModelConfig) -> AttentionFn:
+    """Run `local` per device: heads and cache split over the model axes, and with a `seq` axis each
+    device takes a slice of the step's queries (the new keys/values stay whole, so every device writes
+    all of them into its copy of the cache and attends over the full prefix)."""
+    axes = flat_axes(model_axes(mesh.shape))
+    layout = head_layout(cfg, model_parallel_size(mesh))
+    seq = axis_size(mesh, SEQ)
+    split = axes if len(axes) != 1 else axes[0]
+    heads, cache = P(None, split or None, None), P(None, None, split or None, None)
+    kv_spec = heads if layout.kv_sharded else P()
 
     def attn(q, k, v, k_pages, v_pages, md, **layer):
+        num_tokens = q.shape[0]
+        by_token = seq > 1 and num_tokens % seq == 0  # a 1-row decode bucket runs whole on every device
+        q_spec = P(SEQ, split or None, None) if by_token else heads
+
+        def per_device(q, k, v, k_pages, v_pages, md):
+            if axes and not layout.kv_sharded:
+                k, v = _own_kv_head(k, layout.kv_replicas, axes), _own_kv_head(v, layout.kv_replicas, axes)
+            query_md = local_query_metadata(md, num_tokens // seq) if by_token else None
+            return local(q, k, v, k_pages, v_pages, md, query_md, **layer)
+
         fn = jax.shard_map(
-            functools.partial(per_device, **layer), mesh=mesh,
-            in_specs=(HEADS_SPEC, kv_spec, kv_spec, CACHE_SPEC, CACHE_SPEC, P()),
-            out_specs=(HEADS_SPEC, CACHE_SPEC, CACHE_SPEC),
+            per_device, mesh=mesh,
+            in_specs=(q_spec, kv_spec, kv_spec, cache, cache, P()),
+            out_specs=(q_spec, cache, cache),
             # Pallas calls carry no varying-manual-axes annotations for the checker to follow.
             check_vma=False,
         )
@@ -89,14 +120,13 @@ def _sharded(local: AttentionFn, mesh: Mesh, layout: HeadLayout) -> AttentionFn:
 def make_attention_fn(
     cfg: ModelConfig, impl: str, interpret: bool, mesh: Mesh | None = None, **extra: Any
 ) -> AttentionFn:
-    """The per-layer attention the model calls; sharded over `mesh`'s tensor axis when it has one."""
+    """The per-layer attention the model calls; sharded over `mesh`'s model and seq axes when it has them."""
     impl = resolve_impl(impl)  # resolve now: the platform is fixed for the runner's lifetime
     sm_scale = extra.pop("sm_scale", attention_scale(cfg))
     local = functools.partial(_write_and_attend, impl=impl, interpret=interpret, sm_scale=sm_scale, **extra)
-    tp = 1 if mesh is None else axis_size(mesh, TENSOR)
-    if tp == 1:
+    if mesh is None or (model_parallel_size(mesh) == 1 and axis_size(mesh, SEQ) == 1):
         return local
-    return _sharded(local, mesh, head_layout(cfg, tp))
+    return _sharded(local, mesh, cfg)
 
 
-__all__ = ["AttentionFn", "attention_scale", "make_attention_fn"]
+__all__ = ["AttentionFn", "attention_scale", "local_query_metadata", "make_attention_fn"]

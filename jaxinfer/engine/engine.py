@@ -194,6 +194,7 @@ class Engine:
         self._compiles_at_warmup: int | None = None
         self.num_steps = 0
         self.num_overlapped_calls = 0  # decode calls launched before the host read the previous one
+        self.expert_counts = np.zeros(runner.num_experts, np.int64)  # MoE load: (token, expert) pairs so far
 
     def reseed(self, seed: int) -> None:
         """Seed the draws that give unseeded requests their seeds (multi-process runs must agree on them)."""
@@ -427,7 +428,8 @@ class Engine:
         t = self.times.add("prepare", t)
         out = self._await(call)
         self._inflight = follow(out) if follow is not None else None
-        sampled, valid = jax.device_get((out.sampled, out.valid))
+        sampled, valid, counts = jax.device_get((out.sampled, out.valid, out.expert_counts))
+        self.expert_counts += counts
         t = self.times.add("device", t)
         with _prompt_gil_handoff(self._inflight is not None):
             touched = self._apply_decodes(call.plan, MultiStepOutput(sampled, valid, None, None), call.num_iterations)
@@ -551,7 +553,9 @@ class Engine:
         self.penalties, out = self.runner.step(self.penalties, batch, inputs)
         # Prompt logprobs are [T, K] per step: copy them to the host only in steps that asked for them.
         prompt = jax.device_get(out.prompt) if inputs.want_prompt_logprobs else None
-        out = StepOutput(jax.device_get(out.sampled), prompt)
+        sampled, counts = jax.device_get((out.sampled, out.expert_counts))
+        self.expert_counts += counts
+        out = StepOutput(sampled, prompt)
         self.times.add("device", t)
         return out
 
@@ -721,7 +725,17 @@ class Engine:
         after = None if self._compiles_at_warmup is None else self.runner.num_compiles - self._compiles_at_warmup
         stats.update(num_compiles_after_warmup=after, num_compiles=self.runner.num_compiles, num_steps=self.num_steps,
                      num_overlapped_calls=self.num_overlapped_calls, step_time_s=dict(self.times.seconds))
+        if self.expert_counts.size:
+            stats.update(expert_load_stats(self.expert_counts))
         return stats
+
+
+def expert_load_stats(counts: np.ndarray) -> dict[str, Any]:
+    """Per-expert (token, expert) pair counts summed over MoE layers and steps, and their balance: max/mean
+    is 1.0 for perfectly even routing (random routers come close; trained ones are skewed)."""
+    mean = float(counts.mean())
+    return {"expert_token_counts": [int(c) for c in counts],
+            "expert_load_max_over_mean": float(counts.max()) / mean if mean > 0 else None}
 
 
 def _at_least_one(name: str, value: int) -> int:

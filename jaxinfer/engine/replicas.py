@@ -23,7 +23,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.engine import Engine, expert_load_stats
 from jaxinfer.outputs import RequestOutput
 
 
@@ -110,6 +110,8 @@ class DataParallelEngines:
             out[key] = sum(values) if isinstance(value, int) else float(np.mean(values))
         out["num_compiles_after_warmup"] = _sum_or_none([p["num_compiles_after_warmup"] for p in per])
         out["step_time_s"] = {k: sum(p["step_time_s"][k] for p in per) for k in per[0]["step_time_s"]}
+        if "expert_token_counts" in per[0]:
+            out.update(expert_load_stats(np.sum([p["expert_token_counts"] for p in per], axis=0)))
         out["data_parallel_size"] = len(self.engines)
         out["replicas"] = per
         return out

@@ -27,6 +27,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.attention import make_attention_fn
+from jaxinfer.expert_parallel import make_moe_fn
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.sampling import (
     MAX_LOGPROBS,
@@ -43,7 +44,7 @@ from jaxinfer.engine.sampling import (
 from jaxinfer.kv_cache import KVCache, cache_sharding
 from jaxinfer.models import ModelFamily
 from jaxinfer.models.common import AttentionMetadata, gather_last_tokens
-from jaxinfer.sharding import Logical, ShardingRules, replicated
+from jaxinfer.sharding import Logical, ShardingRules, axis_size, replicated
 from pallas_kernels.ragged_paged_attention import resolve_impl
 
 
@@ -75,6 +76,7 @@ class SampleInputs:
 class StepOutput(NamedTuple):
     sampled: SamplerOutput  # [S] tokens and logprobs
     prompt: PromptLogprobs | None  # [T] prompt logprobs; on the host only in steps that asked for them
+    expert_counts: jax.Array | None = None  # [E] int32 (token, expert) pairs per expert over the MoE layers
 
 
 @struct.dataclass
@@ -94,6 +96,7 @@ class MultiStepOutput(NamedTuple):
     valid: jax.Array  # [N, S] bool: the row sampled a real token in this iteration
     next_tokens: jax.Array  # [S] int32 each row's input token for a call that continues this one
     alive: jax.Array  # [S] bool rows still generating after this call (not stopped, budget left)
+    expert_counts: jax.Array | None = None  # [E] int32 summed over the call's iterations ([0] for dense models)
 
 
 class _DecodeCarry(NamedTuple):
@@ -103,6 +106,7 @@ class _DecodeCarry(NamedTuple):
     tokens: jax.Array  # [S] int32 input token of the next iteration
     positions: jax.Array  # [S] int32 its position
     active: jax.Array  # [S] bool rows still generating
+    expert_counts: jax.Array  # [E] int32 so far ([0] for dense models)
 
 
 class ModelRunner:
@@ -120,7 +124,8 @@ class ModelRunner:
         self.family, self.cfg, self.weights, self.kv_cache = family, cfg, weights, kv_cache
         self.mesh, self.rules = mesh, rules
         # A vocabulary-parallel lm_head leaves the logits split over `tensor`; the sampler keeps them split.
-        self.vocab = VocabShards(mesh) if rules.mapping.get(Logical.VOCAB) == "tensor" else None
+        vocab_axes = rules.mapping.get(Logical.VOCAB)
+        self.vocab = VocabShards(mesh, vocab_axes) if vocab_axes is not None else None
         self.attention_impl = resolve_impl(attention_impl)
         self.num_compiles = 0
         self._trace_lock = threading.Lock()
@@ -128,6 +133,8 @@ class ModelRunner:
         self._executables: dict[tuple[Any, ...], Any] = {}
         self.precompile_times: dict[str, float] = {}  # the last `precompile`: trace and compile seconds
         attn_fn = make_attention_fn(cfg, attention_impl, interpret, mesh)
+        self.moe_fn = make_moe_fn(mesh, rules) if family.moe else None
+        self.num_experts = cfg.num_experts if family.moe else 0
         self._logits_step = jax.jit(
             functools.partial(self._logits_step_impl, attn_fn=attn_fn),
             donate_argnums=(1,),
@@ -154,13 +161,35 @@ class ModelRunner:
         kv_cache = jax.lax.with_sharding_constraint(kv_cache, cache_sharding(self.mesh, self.rules))
         return kv_cache, jax.lax.with_sharding_constraint(penalties, self.penalty_sharding())
 
+    def _forward(self, weights: Any, token_ids: jax.Array, md: AttentionMetadata, kv_cache: KVCache,
+                 attn_fn: Any) -> tuple[jax.Array, KVCache, jax.Array]:
+        """The family's forward -> (hidden [T, D], cache, expert token counts [E], [0] without experts).
+
+        With a `seq` axis the step's tokens are split over it (sequence parallelism): constraining the
+        token ids makes every activation downstream split by token, so the matmuls run on T/seq rows."""
+        seq = axis_size(self.mesh, "seq")
+        if seq > 1 and token_ids.shape[0] % seq == 0:
+            token_ids = jax.lax.with_sharding_constraint(token_ids, NamedSharding(self.mesh, P("seq")))
+        if self.moe_fn is None:
+            hidden, kv_cache = self.family.forward(weights, self.cfg, token_ids, md, kv_cache, attn_fn)
+            return hidden, kv_cache, jnp.zeros((0,), jnp.int32)
+        counts = []
+
+        def moe_fn(*args: Any, **kwargs: Any) -> tuple[jax.Array, jax.Array]:
+            out, layer_counts = self.moe_fn(*args, **kwargs)
+            counts.append(layer_counts)  # traced values of this same trace, summed below
+            return out, layer_counts
+
+        hidden, kv_cache = self.family.forward(weights, self.cfg, token_ids, md, kv_cache, attn_fn, moe_fn=moe_fn)
+        return hidden, kv_cache, sum(counts, jnp.zeros((self.num_experts,), jnp.int32))
+
     def _count_compile(self) -> None:
         with self._trace_lock:  # called only while tracing, i.e. once per new bucket shape
             self.num_compiles += 1
 
     def _logits_step_impl(self, weights: Any, kv_cache: KVCache, batch: StepBatch, *, attn_fn: Any) -> Any:
         self._count_compile()
-        hidden, kv_cache = self.family.forward(weights, self.cfg, batch.token_ids, batch.md, kv_cache, attn_fn)
+        hidden, kv_cache, _ = self._forward(weights, batch.token_ids, batch.md, kv_cache, attn_fn)
         last = gather_last_tokens(hidden, batch.logits_indices)  # [S, D]
         return kv_cache, self.family.compute_logits(weights, self.cfg, last)
 
@@ -170,7 +199,7 @@ class ModelRunner:
     ) -> tuple[KVCache, PenaltyState, StepOutput]:
         self._count_compile()
         kv_cache = copy_pages(kv_cache, inputs.copy_src, inputs.copy_dst)
-        hidden, kv_cache = self.family.forward(weights, self.cfg, batch.token_ids, batch.md, kv_cache, attn_fn)
+        hidden, kv_cache, counts = self._forward(weights, batch.token_ids, batch.md, kv_cache, attn_fn)
         logits = self.family.compute_logits(weights, self.cfg, gather_last_tokens(hidden, batch.logits_indices))
         rows = jax.tree.map(lambda a: a[inputs.slots], penalties)  # [S, ...] this step's rows
         out = sample(logits, inputs.sampling, rows, vocab=self.vocab)
@@ -181,7 +210,7 @@ class ModelRunner:
             lambda: self._prompt_logprobs(weights, hidden, inputs.prompt_next_ids),
             lambda: _empty_prompt_logprobs(batch.token_ids.shape[0]),
         )
-        return *self._pin_state(kv_cache, penalties), StepOutput(out, prompt)
+        return *self._pin_state(kv_cache, penalties), StepOutput(out, prompt, counts)
 
     def _prompt_logprobs(self, weights: Any, hidden: jax.Array, next_ids: jax.Array) -> PromptLogprobs:
         """Prompt logprobs of every position, PROMPT_LOGPROB_CHUNK positions at a time: the [T, V] fp32
@@ -208,6 +237,7 @@ class ModelRunner:
         carry = _DecodeCarry(
             kv_cache, jax.tree.map(lambda a: a[inputs.slots], penalties), inputs.sampling,
             batch.token_ids, batch.md.positions, real & (decode.budget > 0) & decode.alive,
+            jnp.zeros((self.num_experts,), jnp.int32),
         )
 
         def body(carry: _DecodeCarry, i: jax.Array) -> tuple[_DecodeCarry, tuple[SamplerOutput, jax.Array]]:
@@ -223,14 +253,15 @@ class ModelRunner:
         penalties = set_rows(penalties, inputs.slots, carry.rows)
         # Replicated like the host inputs they replace, so a continuation call's executable takes them as they are.
         follow = jax.lax.with_sharding_constraint((carry.tokens, carry.active), replicated(self.mesh))
-        return *self._pin_state(carry.kv_cache, penalties), MultiStepOutput(sampled, valid, *follow)
+        return *self._pin_state(carry.kv_cache, penalties), MultiStepOutput(sampled, valid, *follow,
+                                                                             carry.expert_counts)
 
     def _decode_iteration(
         self, weights: Any, c: _DecodeCarry, i: jax.Array, md0: AttentionMetadata, decode: DecodeInputs,
         attn_fn: Any,
     ) -> tuple[_DecodeCarry, tuple[SamplerOutput, jax.Array]]:
         md = decode_metadata(c.positions, c.active, md0.page_indices, md0.num_seqs, c.kv_cache.page_size)
-        hidden, kv_cache = self.family.forward(weights, self.cfg, c.tokens, md, c.kv_cache, attn_fn)  # [S, D]
+        hidden, kv_cache, counts = self._forward(weights, c.tokens, md, c.kv_cache, attn_fn)  # [S, D]
         out = sample(self.family.compute_logits(weights, self.cfg, hidden), c.sampling, c.rows, vocab=self.vocab)
         rows = update_output_counts(c.rows, out.tokens, c.active)
         # `step` counts tokens generated before this one, so this token is number step + 1.
@@ -240,6 +271,7 @@ class ModelRunner:
         nxt = _DecodeCarry(
             kv_cache, rows, c.sampling.advance(),
             jnp.where(c.active, out.tokens, c.tokens), c.positions + c.active.astype(jnp.int32), c.active & ~stop,
+            c.expert_counts + counts,
         )
         return nxt, (out, c.active)
 

@@ -29,6 +29,7 @@ class ModelFamily:
     # GGUF files with routed experts (`{arch}.expert_count` > 0): True = only those, False = only files
     # without, None = either. llama.cpp writes Mixtral as architecture "llama" with experts.
     gguf_experts: bool | None = None
+    moe: bool = False  # routed experts: forward takes `moe_fn=` and the mesh may have an `expert` axis
 
 
 LLAMA = ModelFamily(
@@ -78,6 +79,7 @@ QWEN3_MOE = ModelFamily(
     config_from_hf=qwen3.moe_config_from_hf,
     gguf_architectures=("qwen3moe",),
     hf_architectures=("Qwen3MoeForCausalLM",),
+    moe=True,
 )
 
 MIXTRAL = ModelFamily(
@@ -91,6 +93,7 @@ MIXTRAL = ModelFamily(
     gguf_architectures=("llama", "mistral"),
     hf_architectures=("MixtralForCausalLM",),
     gguf_experts=True,
+    moe=True,
 )
 
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, GEMMA3, QWEN3, QWEN3_MOE, MIXTRAL)}

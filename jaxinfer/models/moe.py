@@ -55,9 +55,9 @@ def moe_specs(hidden: int, expert_ffn: int, num_experts: int, dtype: jnp.dtype) 
     d, f, e = hidden, expert_ffn, num_experts
     return MoEWeights(
         router=ParamSpec((d, e), dtype, (L.EMBED, None)),
-        w_gate=ParamSpec((e, d, f), dtype, (L.EXPERTS, L.EMBED, L.FFN), fan_in_axes=(1,)),
-        w_up=ParamSpec((e, d, f), dtype, (L.EXPERTS, L.EMBED, L.FFN), fan_in_axes=(1,)),
-        w_down=ParamSpec((e, f, d), dtype, (L.EXPERTS, L.FFN, L.EMBED), fan_in_axes=(1,)),
+        w_gate=ParamSpec((e, d, f), dtype, (L.EXPERTS, L.EMBED, L.EXPERT_FFN), fan_in_axes=(1,)),
+        w_up=ParamSpec((e, d, f), dtype, (L.EXPERTS, L.EMBED, L.EXPERT_FFN), fan_in_axes=(1,)),
+        w_down=ParamSpec((e, f, d), dtype, (L.EXPERTS, L.EXPERT_FFN, L.EMBED), fan_in_axes=(1,)),
     )
 
 
@@ -106,6 +106,32 @@ def swiglu_experts(xs: jax.Array, w: MoEWeights, group_sizes: jax.Array, expert_
     return expert_matmul(jax.nn.silu(gate) * up, w.w_down, group_sizes)  # [M, D]
 
 
+def moe_partial(
+    x: jax.Array, w: MoEWeights, routing: Routing, *, valid: jax.Array | None = None, expert_offset: jax.Array | int = 0,
+    expert_matmul: GroupedMatmul = jax.lax.ragged_dot,
+) -> jax.Array:
+    """The contribution of the experts held in `w` (global ids expert_offset .. + E_local - 1) to every token:
+    x [T, D] -> float32 [T, D]. Pairs routed to other experts, and padding tokens, sort past every local
+    group and add nothing. With all experts local (offset 0) this is the whole MoE output; an expert-parallel
+    caller sums the partials of all devices."""
+    t, d = x.shape
+    top_k = routing.experts.shape[1]
+    e_local = w.w_gate.shape[0]
+    local = routing.experts - expert_offset  # [T, k] local expert ids; outside [0, E_local) elsewhere
+    mine = (local >= 0) & (local < e_local)  # [T, k]
+    if valid is not None:
+        mine &= valid[:, None]
+    ids = jnp.where(mine, local, e_local).reshape(-1)  # [T*k], sentinel E_local past every group
+    order = jnp.argsort(ids, stable=True)  # [T*k] pair index of each sorted row; foreign pairs last
+    group_sizes = jnp.zeros((e_local,), jnp.int32).at[ids].add(1, mode="drop")  # [E_local]
+    xs = jnp.take(x, order // top_k, axis=0)  # [T*k, D], pair p belongs to token p // k
+    ys = swiglu_experts(xs, w, group_sizes, expert_matmul)  # [T*k, D] in sorted order
+    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * top_k, dtype=order.dtype))  # [T*k]
+    y = jnp.take(ys, inverse, axis=0).reshape(t, top_k, d)  # [T, k, D] back in (token, slot) order
+    y = jnp.where(mine[:, :, None], y, 0)  # rows a kernel may have left unwritten, and foreign pairs
+    return jnp.einsum("tkd,tk->td", y.astype(jnp.float32), jnp.where(mine, routing.weights, 0.0))  # [T, D]
+
+
 def moe_block(
     x: jax.Array,
     w: MoEWeights,
@@ -116,21 +142,9 @@ def moe_block(
     expert_matmul: GroupedMatmul = jax.lax.ragged_dot,
 ) -> tuple[jax.Array, jax.Array]:
     """x [T, D] -> (MoE output [T, D] in x's dtype, per-expert token counts [E] int32)."""
-    t, d = x.shape
-    e = w.w_gate.shape[0]
     routing = route(x, w.router, top_k, norm_topk_prob)
-    ids = _pair_experts(routing.experts, e, valid)  # [T*k]
-    order = jnp.argsort(ids, stable=True)  # [T*k] pair index of each sorted row; padding pairs last
-    group_sizes = expert_token_counts(routing.experts, e, valid)  # [E]
-    xs = jnp.take(x, order // top_k, axis=0)  # [T*k, D], pair p belongs to token p // k
-    ys = swiglu_experts(xs, w, group_sizes, expert_matmul)  # [T*k, D] in sorted order
-    inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * top_k, dtype=order.dtype))  # [T*k]
-    y = jnp.take(ys, inverse, axis=0).reshape(t, top_k, d)  # [T, k, D] back in (token, slot) order
-    weights = routing.weights if valid is None else jnp.where(valid[:, None], routing.weights, 0.0)  # [T, k]
-    if valid is not None:
-        y = jnp.where(valid[:, None, None], y, 0)  # rows a kernel may have left unwritten
-    out = jnp.einsum("tkd,tk->td", y.astype(jnp.float32), weights)  # [T, D], summed in float32
-    return out.astype(x.dtype), group_sizes
+    out = moe_partial(x, w, routing, valid=valid, expert_matmul=expert_matmul)  # [T, D] summed in float32
+    return out.astype(x.dtype), expert_token_counts(routing.experts, w.router.shape[1], valid)
 
 
 # (x [T, D], weights, *, top_k, norm_topk_prob, valid [T] bool) -> (out [T, D], counts [E]); `moe_block` is one.
