@@ -51,8 +51,8 @@ import jax.numpy as jnp
 
 _ROWS = 64  # wgmma M: query rows per tile
 _MAX_GROUP = _ROWS  # a tile holds at least one token of every query head of its kv head
-# Head dims the kernel takes; each has passed the GPU tests (docs/KERNELS.md). Any multiple of 16 up
-# to 256 would lower the same way (swizzle from the row width), but untested shapes stay out.
+# Head dims the kernel takes, each in the GPU test sweep (docs/KERNELS.md). Other multiples of 16 up
+# to 256 would lower the same way (swizzle from the row width) but stay out until tested there.
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 _MAX_BLOCK_KV = 128  # kv positions per step: the [64, Bk] f32 logits live in registers
 _SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper block may use, leaving room for barriers
