@@ -201,7 +201,7 @@ def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  #
         acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
         plgpu.barrier_wait(v_barriers.at[slot])
 
-        acc = _pv_accumulate(acc, p.astype(v_smem.dtype), v_smem.at[slot], interpret)
+        acc = _pv_accumulate(acc, p, v_smem.at[slot], v_smem.dtype, interpret)
         return acc, m_new, l_i, next_pages
 
     acc = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -220,21 +220,22 @@ def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  #
     plgpu.wait_smem_to_gmem(0)
 
 
-def _pv_accumulate(acc, p, v_block, interpret: bool):
-    """acc [64, H] f32 += p [64, Bk] @ v_block [Bk, H] on wgmma (P from registers), in place.
+def _pv_accumulate(acc, p, v_block, dtype, interpret: bool):
+    """acc [64, H] f32 += p [64, Bk] (f32, cast to the KV dtype) @ v_block [Bk, H], in place.
 
-    Pallas' GPU interpreter (0.11.2) runs a wgmma only with A in shared memory and has no rule for
-    the discharged form of `pl.run_state`, so interpret mode reads the V block and multiplies with
-    a plain dot instead: same math, used only on CPU; the hardware path is the wgmma below.
+    On the GPU a wgmma with P from registers, exactly as before any-G/H support (the cast inside the
+    scope keeps the lowered kernel byte-identical). Pallas' GPU interpreter (0.11.2) runs a wgmma
+    only with A in shared memory and has no rule for the discharged `pl.run_state`, so interpret
+    mode reads the V block and multiplies with a plain dot: same math, used only on CPU.
     """
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     if interpret:
-        return acc + jax.lax.dot(p, v_block[...], preferred_element_type=jnp.float32)
+        return acc + jax.lax.dot(p.astype(dtype), v_block[...], preferred_element_type=jnp.float32)
 
     def pv_scope(acc_ref):
-        plgpu.wgmma(acc_ref, p, v_block)
+        plgpu.wgmma(acc_ref, p.astype(dtype), v_block)
 
     return pl.run_state(pv_scope)(plgpu.ACC.init(acc))
 
