@@ -347,6 +347,48 @@ def test_gpu_kernel_in_interpret_mode_matches_reference(rng, name):
     assert not np.asarray(out[real:].astype(jnp.float32)).any()
 
 
+def _has_mosaic_gpu_bindings() -> bool:
+    try:
+        import jax._src.lib.mosaic_gpu  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# (G, H, R, T, S): for each head dim, a decode-like batch (3 stages at H <= 128), a prefill-like one
+# (2 stages) and 128-token pages (128-position kv steps) where they fit.
+LOWERING_LAYOUTS = [
+    (g, h, r, t, s) for h in (64, 80, 96, 128, 192, 256)
+    for g, r, t, s in ((3, 16, 64, 64), (16, 64, 512, 2), (1, 128, 64, 64), (5, 8, 64, 64))
+    if not (r == 128 and h == 256)]
+
+
+@pytest.mark.skipif(not _has_mosaic_gpu_bindings(),
+                    reason="needs the Mosaic GPU bindings (jax-cuda13-plugin) to lower for CUDA")
+@pytest.mark.parametrize("group,head_dim,page_size,num_tokens,num_seqs", LOWERING_LAYOUTS)
+def test_gpu_kernel_lowers_for_cuda(group, head_dim, page_size, num_tokens, num_seqs):
+    """Lowers the kernel for CUDA without a GPU: Mosaic GPU's own checks run in Python here (wgmma
+    operand tiling and swizzle, TMA box ranks and transforms, the shared-memory total against the
+    227 KB a block may use). What is left for the GPU: PTX compilation and the run itself.
+    On a machine without a GPU: `pip install --no-deps --target DIR jax-cuda13-plugin==<jax's
+    version>` and put DIR on PYTHONPATH."""
+    import functools
+
+    from pallas_kernels.ragged_paged_attention import gpu
+    kv_heads, max_pages = 2, 4
+    num_pages = num_seqs * max_pages + 1
+    spec = jax.ShapeDtypeStruct
+    pages = spec((num_pages, page_size, kv_heads, head_dim), jnp.bfloat16)
+    args = (spec((num_tokens, group * kv_heads, head_dim), jnp.bfloat16), pages, pages,
+            spec((num_seqs,), jnp.int32), spec((num_seqs, max_pages), jnp.int32),
+            spec((num_seqs + 1,), jnp.int32), spec((1,), jnp.int32))
+    assert gpu.supported_config(args[0], pages)
+    fn = jax.jit(functools.partial(gpu.ragged_paged_attention, sm_scale=0.1, soft_cap=30.0,
+                                   sliding_window=100))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
 # Ragged starts off the 8-row grid at every GQA ratio (the bug fixed in gpu.tile_queries), groups
 # above 16, and 128-token pages (kv steps of 128 positions, one page per step).
 GPU_EXTRA_CASES = {
