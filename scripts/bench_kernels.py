@@ -8,6 +8,10 @@ matmul rate first, then decode attention (64 seqs x 4k context, Llama-3-8B heads
 XLA-compiled reference and JAX's bundled kernels where they exist. Every section is independent: a
 failing one is logged and the rest still run. Prints a table last and writes JSON to --out.
 
+`--sections ceilings,heads` times our attention kernel alone over head layouts (not in the default
+set): decode 64 x 4k at G = 3, 4, 8, 16 and H = 64, 128, 256 (plus 80 and 96 at G = 3, 4) with 8 kv
+heads, and 4k prefill at G = 3, 4 and H = 64, 128; `ceilings` gives the % of copy bandwidth.
+
 Timing: warmup, then batches of calls that rotate through several input sets (so the L2 cache does not
 serve repeated inputs). Each row reports the device time per call, summed over the device kernels of
 one batch in a JAX profiler trace (the wrapper's own XLA ops included), and the wall time per call (the
@@ -33,6 +37,12 @@ from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
 from pallas_kernels.ragged_paged_attention import reference as rpa_ref
 
 LLAMA_HEADS = dict(num_heads=32, kv_heads=8, head_dim=128)
+# The `heads` section: (G, H) layouts with 8 kv heads. G = 4, 8, 16 at H = 64/128/256 are shapes the
+# kernel took before it handled every G; G = 3 (SmolLM2) and H = 80/96 are new.
+HEAD_SWEEP_KV_HEADS = 8
+HEAD_SWEEP_DECODE = [(g, h) for h in (64, 128, 256) for g in (3, 4, 8, 16)] + [
+    (g, h) for h in (80, 96) for g in (3, 4)]
+HEAD_SWEEP_PREFILL = [(g, h) for h in (64, 128) for g in (3, 4)]
 # Tuning variants of our attention kernel timed beside the default (same run, same inputs).
 ATTENTION_VARIANTS = {"stages=2": dict(stages=2), "stages=3": dict(stages=3)}
 LLAMA_MATMULS = {"qkv 4096x6144": (4096, 6144), "up 4096x14336": (4096, 14336),
@@ -161,9 +171,9 @@ def measure_ceilings(res: Results):
     res.run("ceiling", "matmul", matmul)
 
 
-def make_decode_batch(key, num_seqs, ctx, page_size, q_tokens_per_seq=1):
+def make_decode_batch(key, num_seqs, ctx, page_size, q_tokens_per_seq=1, heads=LLAMA_HEADS):
     """A paged cache of num_seqs sequences of ctx tokens each, pages shuffled; bf16."""
-    h = LLAMA_HEADS
+    h = heads
     pages_per_seq = ctx // page_size
     num_pages = num_seqs * pages_per_seq + 1
     kk, kv, kq, kp = jax.random.split(key, 4)
@@ -179,9 +189,12 @@ def make_decode_batch(key, num_seqs, ctx, page_size, q_tokens_per_seq=1):
     return q, k_pages, v_pages, kv_lens, table, cu, jnp.array([num_seqs], jnp.int32)
 
 
-def bench_attention(res: Results, section, num_seqs, ctx, page_size, q_tokens_per_seq):
-    h = LLAMA_HEADS
-    batch = make_decode_batch(jax.random.key(1), num_seqs, ctx, page_size, q_tokens_per_seq)
+def bench_attention(res: Results, section, num_seqs, ctx, page_size, q_tokens_per_seq,
+                    heads=LLAMA_HEADS, baselines=True):
+    """Our kernel on one batch shape; with `baselines`, also its tuning variants, the XLA reference
+    and JAX's bundled paged attention (decode)."""
+    h = heads
+    batch = make_decode_batch(jax.random.key(1), num_seqs, ctx, page_size, q_tokens_per_seq, h)
     q, k_pages, v_pages, kv_lens, table, cu, ns = batch
     qs = [q * (i + 1) for i in range(3)]
     scale = h["head_dim"] ** -0.5
@@ -195,6 +208,8 @@ def bench_attention(res: Results, section, num_seqs, ctx, page_size, q_tokens_pe
     ours = jax.jit(lambda *a: rpa_gpu.ragged_paged_attention(*a, sm_scale=scale))
     res.run(section, "ours", lambda: res.add(section, f"ours R={page_size}", time_fn(ours, sets),
                                              **measure))
+    if not baselines:
+        return
     for label, knobs in ATTENTION_VARIANTS.items():
         fn = jax.jit(lambda *a, knobs=knobs: rpa_gpu.ragged_paged_attention(
             *a, sm_scale=scale, **knobs))
@@ -206,6 +221,19 @@ def bench_attention(res: Results, section, num_seqs, ctx, page_size, q_tokens_pe
     if not causal:
         res.run(section, "jax paged_attention",
                 lambda: _bench_bundled_paged(res, section, sets, page_size, measure))
+
+
+def bench_head_layouts(res: Results):
+    """Our kernel alone over GQA groups and head dims (HEAD_SWEEP_*), same batch shapes as the
+    decode and prefill sections; the q heads grow with G, the KV bytes only with H."""
+    shapes = [("decode 64x4k", g, h, (64, 4096, 16, 1)) for g, h in HEAD_SWEEP_DECODE] + [
+        ("prefill 4k", g, h, (1, 4096, 64, 4096)) for g, h in HEAD_SWEEP_PREFILL]
+    for label, group, head_dim, batch_shape in shapes:
+        heads = dict(num_heads=group * HEAD_SWEEP_KV_HEADS, kv_heads=HEAD_SWEEP_KV_HEADS,
+                     head_dim=head_dim)
+        section = f"{label} G={group} H={head_dim}"
+        res.run(section, "batch", lambda section=section, heads=heads, shape=batch_shape:
+                bench_attention(res, section, *shape, heads, baselines=False))
 
 
 def _bench_bundled_paged(res, section, sets, page_size, measure):
@@ -282,7 +310,8 @@ def print_table(res: Results):
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_kernels.json")
-    parser.add_argument("--sections", default="ceilings,decode,prefill,matmul")
+    parser.add_argument("--sections", default="ceilings,decode,prefill,matmul",
+                        help="comma-separated: ceilings, decode, prefill, matmul, heads")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     res = Results()
@@ -294,6 +323,8 @@ def main():
             bench_attention(res, "decode 64x4k", 64, 4096, page_size, 1)
     if "prefill" in sections:
         bench_attention(res, "prefill 4k", 1, 4096, 64, 4096)
+    if "heads" in sections:
+        bench_head_layouts(res)
     if "matmul" in sections:
         bench_matmuls(res)
     with open(args.out, "w") as f:

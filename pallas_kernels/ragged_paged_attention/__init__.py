@@ -2,10 +2,15 @@
 
 `impl="auto"` picks the Pallas TPU kernel on TPU, the Pallas GPU kernel on GPU and the jnp reference
 on CPU. `interpret=True` runs a Pallas kernel in Pallas interpret mode (works on CPU).
+
+On a GPU, "auto" never raises for a layout the reference can run: a call the GPU kernel does not
+take (`gpu.supported_config`: quantized or fp32 KV, an unusual page size or head dim) runs on the
+reference, and a warning names the reason once per process and reason, not once per layer or step.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Literal
 
 import jax
@@ -16,18 +21,41 @@ Impl = Literal["auto", "reference", "pallas_tpu", "pallas_gpu"]
 _IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 
 
+def _backend() -> str:
+    """The default JAX backend ("cpu", "gpu", "tpu"); one seam for tests to pose as a GPU."""
+    return jax.default_backend()
+
+
 def resolve_impl(impl: Impl, *, gpu_supported: bool = True) -> str:
     """The concrete implementation for `impl` on the default backend.
 
-    gpu_supported: whether the GPU kernel takes the call's configuration (gpu.supported_config:
-    no int8/fp8 KV yet); "auto" falls back to the reference on GPU otherwise.
+    gpu_supported: whether the GPU kernel takes the call's configuration (gpu.supported_config);
+    "auto" falls back to the reference on GPU otherwise.
     """
     if impl not in _IMPLS:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
-    chosen = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "reference")
+    chosen = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(_backend(), "reference")
     return "reference" if chosen == "pallas_gpu" and not gpu_supported else chosen
+
+
+_WARNED: set[str] = set()  # fallback reasons already reported (one warning per reason)
+
+
+def _warn_fallback_once(reason: str) -> None:
+    """Reports a GPU call that runs on the reference, once per reason.
+
+    The call sits inside every layer of every traced step, so the warning is deduplicated here
+    rather than left to the `warnings` filters (which tests and servers often set to "always").
+    """
+    if reason in _WARNED:
+        return
+    _WARNED.add(reason)
+    warnings.warn(
+        f"ragged_paged_attention(impl='auto'): the GPU kernel does not take this call ({reason}); "
+        "running the jnp reference instead, which is much slower. This is reported once.",
+        RuntimeWarning, stacklevel=3)
 
 
 def ragged_paged_attention(
@@ -52,7 +80,10 @@ def ragged_paged_attention(
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                   k_scale=k_scale, v_scale=v_scale)
     from pallas_kernels.ragged_paged_attention import gpu
-    chosen = resolve_impl(impl, gpu_supported=gpu.supported_config(q, k_pages))
+    reason = gpu.unsupported_reason(q, k_pages)  # gpu.supported_config's decision, with its why
+    chosen = resolve_impl(impl, gpu_supported=reason is None)
+    if impl == "auto" and reason is not None and resolve_impl("auto") == "pallas_gpu":
+        _warn_fallback_once(reason)  # chosen is the reference
     if chosen == "reference":
         return reference.ragged_paged_attention(*args, **kwargs)
     if chosen == "pallas_tpu":

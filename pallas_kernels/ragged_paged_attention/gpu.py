@@ -3,9 +3,11 @@
 Work decomposition (docs/KERNELS.md has the reasoning and the measured numbers):
 
 * A *work tile* is 64 query rows of one sequence and one kv head: `Bt = 64 // G` consecutive new
-  tokens of the sequence times the G query heads that share the kv head. Row r of the tile is
-  (head g = r // Bt, token t = r % Bt), and the tile is exactly one wgmma M=64 block. Decode tokens
-  fill G rows of a tile; the rest are masked.
+  tokens of the sequence times the G query heads that share the kv head. Row r < G * Bt of the tile
+  is (head g = r // Bt, token t = r % Bt), and the tile is exactly one wgmma M=64 block. When G does
+  not divide 64 (G = 3, 5, 6, 7, 9..15), the last `64 - G * Bt` rows (at most 12) hold no query:
+  they are zeros in the gathered q, masked in the kernel and dropped by the gather back. Decode
+  tokens fill G rows of a tile; the rest are masked. Any G from 1 to 64 works this way.
 * The wrapper lists the tiles of all sequences (ragged, computed on device from cu_q_lens) into a
   static-size table and gathers q into that tile-major order (`[W, K, 64, H]`), so each CTA loads
   its q tile with one TMA copy at a row offset that is a multiple of 64. Why not copy straight out
@@ -25,9 +27,16 @@ Work decomposition (docs/KERNELS.md has the reasoning and the measured numbers):
   every step's critical path.
 * One warpgroup per CTA: QK^T and PV are wgmma, the online softmax runs in registers in the WGMMA
   layout, exponentials in base 2 with log2(e) folded into the scale.
+* Head dims that are not a multiple of 64 (80, 96) keep their true width everywhere: the shared
+  memory tiles use the widest swizzle that divides a row (`H * 2` bytes: 128 B for 64/128/192/256,
+  64 B for 96, 32 B for 80), which wgmma and the TMA both accept. Nothing is padded, so the TMA boxes
+  read exactly the head's `[R, H]` bytes of each page. (Padding the head to 128 would need the
+  cache itself padded, a copy of the whole cache per call, or boxes that read the neighbouring
+  head's columns.)
 
 Not supported here yet: int8/fp8 KV (use impl="reference"/"pallas_tpu"); that needs an in-SMEM
-dequantize stage before the wgmma. `supported_config` tells impl="auto" which calls it can take.
+dequantize stage before the wgmma. `supported_config` / `unsupported_reason` tell impl="auto" which
+calls it can take (the rest run on the reference, with one warning per reason).
 
 GPU-only modules are imported inside the functions so this file imports on CPU.
 """
@@ -41,6 +50,12 @@ import jax
 import jax.numpy as jnp
 
 _ROWS = 64  # wgmma M: query rows per tile
+_MAX_GROUP = _ROWS  # a tile holds at least one token of every query head of its kv head
+# Head dims the kernel takes, each in the GPU test sweep (docs/KERNELS.md). Other multiples of 16 up
+# to 256 would lower the same way (swizzle from the row width) but stay out until tested there.
+HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+_MAX_BLOCK_KV = 128  # kv positions per step: the [64, Bk] f32 logits live in registers
+_SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper block may use, leaving room for barriers
 _STAGES = 3  # kv pipeline depth for decode-like batches (default_stages)
 _NUM_SMS = 132  # H100 / H200 SXM
 _LOG2E = math.log2(math.e)
@@ -64,6 +79,12 @@ def tile_table(cu_q_lens: jax.Array, num_seqs: jax.Array, tokens_per_tile: int,
     tok0 = cu_q_lens[seq] + (w - base[seq]) * tokens_per_tile
     tok0 = jnp.where(w < ends[-1], tok0, -1)
     return seq.astype(jnp.int32), tok0.astype(jnp.int32), base.astype(jnp.int32)
+
+
+def tile_rows(group: int) -> tuple[int, int]:
+    """(tokens per tile Bt = 64 // G, rows that hold a query G * Bt); rows past G * Bt are padding."""
+    tokens = _ROWS // group
+    return tokens, tokens * group
 
 
 def _split_range(kb_lo, kb_hi, split, num_splits):
@@ -119,11 +140,12 @@ def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  #
                       k_smem, v_smem,  # [stages, Bk, H]
                       lse_smem,  # [64] f32
                       q_barrier, k_barriers, v_barriers,
-                      *, sm_scale, sliding_window, soft_cap, group, max_pages, num_splits):
+                      *, sm_scale, sliding_window, soft_cap, group, max_pages, num_splits,
+                      interpret):
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    tokens_per_tile = _ROWS // group
+    tokens_per_tile, used_rows = tile_rows(group)
     stages, block_kv, head_dim = k_smem.shape
     pages_per_block = block_kv // k_ref.shape[1]
     w, head, split = (jax.lax.axis_index(a) for a in ("tile", "head", "split"))
@@ -146,6 +168,8 @@ def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  #
     col = plgpu.broadcasted_iota(jnp.int32, (_ROWS, block_kv), 1, layout=plgpu.Layout.WGMMA)
     token = tok0 + jax.lax.rem(row, tokens_per_tile)  # [64, Bk]
     row_ok = token < q_end
+    if used_rows < _ROWS:  # G does not divide 64: the last rows of the tile hold no query
+        row_ok = row_ok & (row < used_rows)
     pos = token + offset
 
     def kv_step(step, carry):
@@ -177,10 +201,7 @@ def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  #
         acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
         plgpu.barrier_wait(v_barriers.at[slot])
 
-        def pv_scope(acc_ref):
-            plgpu.wgmma(acc_ref, p.astype(v_smem.dtype), v_smem.at[slot])
-
-        acc = pl.run_state(pv_scope)(plgpu.ACC.init(acc))
+        acc = _pv_accumulate(acc, p, v_smem.at[slot], v_smem.dtype, interpret)
         return acc, m_new, l_i, next_pages
 
     acc = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -199,12 +220,51 @@ def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  #
     plgpu.wait_smem_to_gmem(0)
 
 
+def _pv_accumulate(acc, p, v_block, dtype, interpret: bool):
+    """acc [64, H] f32 += p [64, Bk] (f32, cast to the KV dtype) @ v_block [Bk, H], in place.
+
+    On the GPU a wgmma with P from registers, exactly as before any-G/H support (the cast inside the
+    scope keeps the lowered kernel byte-identical). Pallas' GPU interpreter (0.11.2) runs a wgmma
+    only with A in shared memory and has no rule for the discharged `pl.run_state`, so interpret
+    mode reads the V block and multiplies with a plain dot: same math, used only on CPU.
+    """
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if interpret:
+        return acc + jax.lax.dot(p.astype(dtype), v_block[...], preferred_element_type=jnp.float32)
+
+    def pv_scope(acc_ref):
+        plgpu.wgmma(acc_ref, p.astype(dtype), v_block)
+
+    return pl.run_state(pv_scope)(plgpu.ACC.init(acc))
+
+
+def swizzle_bytes(head_dim: int, itemsize: int = 2) -> int:
+    """The widest shared-memory swizzle (128, 64 or 32 bytes) that divides one row of the tiles.
+
+    wgmma needs the same swizzle on q and k, and its K step is one swizzle width (64 elements at
+    128 B, 32 at 64 B, 16 at 32 B for 16-bit types), so it must divide H; the TMA box's inner
+    extent is one swizzle width too. H = 80 (160-byte rows) gets 32 B, H = 96 gets 64 B.
+    """
+    row = head_dim * itemsize
+    for swizzle in (128, 64, 32):
+        if row % swizzle == 0:
+            return swizzle
+    raise NotImplementedError(f"head dim {head_dim} has no 32-byte multiple per row")
+
+
 def _smem_transforms(dtype, minor: int):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    bits = jnp.dtype(dtype).itemsize * 8
-    swizzle = plgpu.find_swizzle(minor * bits)
-    return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
+    itemsize = jnp.dtype(dtype).itemsize
+    swizzle = swizzle_bytes(minor, itemsize)
+    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def smem_bytes(head_dim: int, block_kv: int, stages: int, itemsize: int = 2) -> int:
+    """Shared memory of one CTA: the q/output tile, `stages` K and V blocks, the LSE row."""
+    return (_ROWS + 2 * stages * block_kv) * head_dim * itemsize + _ROWS * 4
 
 
 def _grid(num_tiles: int, kv_heads: int, num_splits: int) -> dict:
@@ -231,6 +291,14 @@ def default_stages(head_dim: int, num_tokens: int, num_slots: int) -> int:
     return 2 if mostly_prefill else _STAGES
 
 
+def _fit_stages(stages: int, head_dim: int, block_kv: int, itemsize: int) -> int:
+    """The pipeline depth lowered to what fits the shared-memory budget (never below 2; the
+    supported-config check guarantees 2 fit). Today's shapes (Bk = 64) always fit their default."""
+    while stages > 2 and smem_bytes(head_dim, block_kv, stages, itemsize) > _SMEM_BUDGET:
+        stages -= 1
+    return stages
+
+
 def default_num_splits(num_tiles: int, kv_heads: int, max_kv_blocks: int) -> int:
     """Enough kv splits that the grid covers every SM twice, never more than there are blocks."""
     ctas = num_tiles * kv_heads
@@ -252,19 +320,24 @@ def _combine_splits(o_parts, lse_parts):
 def tile_queries(q, tile_tok0, group: int, kv_heads: int):
     """q [T, N, H] -> tile-major [W, K, 64, H]: row g * Bt + t of tile w, kv head k holds token
     tile_tok0[w] + t of q head k * G + g. Rows past T (and padding tiles) repeat a real token; the
-    kernel masks them."""
+    kernel masks them. When G does not divide 64, rows G * Bt .. 63 are zeros (masked too)."""
     num_tokens, _, head_dim = q.shape
-    tokens_per_tile = _ROWS // group
+    tokens_per_tile, used_rows = tile_rows(group)
     tok = jnp.clip(tile_tok0[:, None] + jnp.arange(tokens_per_tile, dtype=jnp.int32), 0,
                    num_tokens - 1)  # [W, Bt]
     tiles = q[tok].reshape(-1, tokens_per_tile, kv_heads, group, head_dim)  # [W, Bt, K, G, H]
-    return tiles.transpose(0, 2, 3, 1, 4).reshape(-1, kv_heads, _ROWS, head_dim)  # [W, K, 64, H]
+    tiles = tiles.transpose(0, 2, 3, 1, 4).reshape(-1, kv_heads, used_rows, head_dim)  # [W, K, G*Bt, H]
+    if used_rows < _ROWS:
+        tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, _ROWS - used_rows), (0, 0)))  # [W, K, 64, H]
+    return tiles
 
 
 def _gather_rows(o_tiles, cu_q_lens, num_seqs, tile_base, num_tokens, group):
     """Tile-major [K, W, 64, H] back to token-major [T, N, H]; padding tokens get zeros."""
     kv_heads, num_tiles, _, head_dim = o_tiles.shape
-    tokens_per_tile = _ROWS // group
+    tokens_per_tile, used_rows = tile_rows(group)
+    if used_rows < _ROWS:
+        o_tiles = o_tiles[:, :, :used_rows]  # [K, W, G*Bt, H]: the padding rows hold no query
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     real_end = cu_q_lens[num_seqs[0]]
     seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], t, side="right"), 0, tile_base.shape[0] - 1)
@@ -309,8 +382,8 @@ def ragged_paged_attention(
     _, page_size, kv_heads, _ = k_pages.shape
     num_slots, max_pages = page_indices.shape
     group = num_heads // kv_heads
-    _check_supported(q, k_pages, group, page_size, k_scale, v_scale)
-    tokens_per_tile = _ROWS // group
+    _check_supported(q, k_pages)
+    tokens_per_tile, _ = tile_rows(group)
     block_kv = max(64, page_size)
     max_tiles = num_tokens // tokens_per_tile + num_slots
     max_kv_blocks = -(-max_pages * page_size // block_kv)
@@ -320,13 +393,15 @@ def ragged_paged_attention(
 
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale * (k_scale or 1.0), sliding_window=sliding_window,
-        soft_cap=soft_cap, group=group, max_pages=max_pages, num_splits=num_splits)
+        soft_cap=soft_cap, group=group, max_pages=max_pages, num_splits=num_splits,
+        interpret=interpret)
     qt = _smem_transforms(q.dtype, head_dim)
     out_types = (
         jax.ShapeDtypeStruct((num_splits, kv_heads, max_tiles, _ROWS, head_dim), q.dtype),
         jax.ShapeDtypeStruct((num_splits, kv_heads, max_tiles, _ROWS), jnp.float32),
     )
-    stages = stages or default_stages(head_dim, num_tokens, num_slots)
+    stages = stages or _fit_stages(default_stages(head_dim, num_tokens, num_slots), head_dim,
+                                   block_kv, q.dtype.itemsize)
     scratch = [
         plgpu.SMEM((_ROWS, head_dim), q.dtype, transforms=qt),
         plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype, transforms=qt),
@@ -354,29 +429,47 @@ def ragged_paged_attention(
 
 
 def supported_config(q: jax.Array, k_pages: jax.Array) -> bool:
-    """Whether this kernel takes the call (impl="auto" sends the rest to the reference).
+    """Whether this kernel takes the call: the one decision impl="auto" follows on a GPU (the rest
+    run on the reference). `unsupported_reason` says why not."""
+    return unsupported_reason(q, k_pages) is None
 
-    bf16/f16 q with KV of the same dtype (no int8/fp8 KV yet), 64 % G == 0, and a page size that
-    divides 64 or is a multiple of 64. Passed its GPU tests for G = 1, 4, 8, H = 64, 128, 256,
-    sliding window and soft-cap (docs/KERNELS.md).
-    """
-    group = q.shape[1] // k_pages.shape[2]
+
+def unsupported_reason(q: jax.Array, k_pages: jax.Array) -> str | None:
+    """None when the kernel takes (q [T, N, H], k_pages [P, R, K, H]); else one sentence why not."""
     try:
-        _check_supported(q, k_pages, group, k_pages.shape[1], None, None)
-    except NotImplementedError:
-        return False
-    return True
+        _check_supported(q, k_pages)
+    except NotImplementedError as e:
+        return str(e)
+    return None
 
 
-def _check_supported(q, k_pages, group, page_size, k_scale, v_scale) -> None:
-    if _ROWS % group:
-        raise NotImplementedError(f"GPU kernel needs 64 % (q heads per kv head) == 0, got {group}")
+def _check_supported(q, k_pages) -> None:
+    """Raises NotImplementedError naming the first limit the call is outside of.
+
+    Takes: bf16/f16 q with KV of the same dtype (no int8/fp8 KV yet); G = N / K from 1 to 64 (a
+    64-row tile holds at least one token of each of the G heads); head dims in HEAD_DIMS; pages of
+    8, 16, 32, 64 or 128 tokens (a kv step of max(64, R) <= 128 positions is whole pages, each a
+    TMA box with 8-row tiles), within the shared-memory budget at 2 pipeline stages.
+    """
+    _, num_heads, head_dim = q.shape
+    _, page_size, kv_heads, _ = k_pages.shape
+    if num_heads % kv_heads or not 1 <= num_heads // kv_heads <= _MAX_GROUP:
+        raise NotImplementedError(
+            f"GPU kernel needs q heads a multiple of kv heads with 1 <= q heads per kv head <= "
+            f"{_MAX_GROUP}, got {num_heads} q heads and {kv_heads} kv heads")
     if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
         raise NotImplementedError(
             f"GPU kernel takes bf16/f16 q and KV of the same dtype, got q {q.dtype}, "
-            f"KV {k_pages.dtype}; use impl='reference' for quantized KV")
-    if page_size % 8 or (page_size < 64 and 64 % page_size) or (page_size > 64 and page_size % 64):
-        raise NotImplementedError(f"page size must divide 64 or be a multiple of 64, got {page_size}")
-    if q.shape[-1] % 64 or q.shape[-1] > 256:
-        # 128-byte swizzled tiles of 64 bf16 columns; wgmma N (the PV output width) is at most 256.
-        raise NotImplementedError(f"head dim must be 64, 128, 192 or 256, got {q.shape[-1]}")
+            f"KV {k_pages.dtype}; quantized or fp32 KV runs on impl='reference'")
+    if head_dim not in HEAD_DIMS:
+        # wgmma N (the PV output width) is at most 256; each listed dim passed the GPU tests.
+        raise NotImplementedError(f"head dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if page_size % 8 or (page_size < 64 and 64 % page_size) or (
+            page_size > 64 and (page_size % 64 or page_size > _MAX_BLOCK_KV)):
+        raise NotImplementedError(f"page size must be 8, 16, 32, 64 or 128, got {page_size}")
+    block_kv = max(64, page_size)
+    need = smem_bytes(head_dim, block_kv, 2, q.dtype.itemsize)
+    if need > _SMEM_BUDGET:
+        raise NotImplementedError(
+            f"page size {page_size} with head dim {head_dim} needs {need // 1024} KB of shared "
+            f"memory at 2 stages, over the {_SMEM_BUDGET // 1024} KB budget")

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import warnings
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -128,54 +130,294 @@ def test_reference_is_memory_bounded_at_serving_size():
     assert temp < per_token_gather // 16
 
 
-@pytest.mark.parametrize("group", [1, 4, 8])
-def test_gpu_tile_queries_puts_every_token_at_its_tile_row(rng, group):
-    """The tile-major q the GPU kernel loads: tile w, kv head k, row g*Bt + t = q[tok0 + t, k*G + g].
+def _tile_inputs(rng, group, head_dim, kv_heads=2, q_lens=(5, 1, 13, 9, 1, 22), pad_tokens=0,
+                 pad_seqs=0):
+    """q [T, N, H] and the GPU kernel's tile table for ragged q_lens (starts off the 8-row grid)."""
+    from pallas_kernels.ragged_paged_attention import gpu
+    num_slots = len(q_lens) + pad_seqs
+    cu = np.zeros(num_slots + 1, np.int32)
+    cu[1:len(q_lens) + 1] = np.cumsum(q_lens)
+    cu[len(q_lens) + 1:] = cu[len(q_lens)]
+    num_tokens = sum(q_lens) + pad_tokens
+    q = jnp.asarray(rng.standard_normal((num_tokens, kv_heads * group, head_dim)), jnp.float32)
+    bt, _ = gpu.tile_rows(group)
+    max_tiles = num_tokens // bt + num_slots
+    num_seqs = jnp.asarray([len(q_lens)], jnp.int32)
+    _, tok0, base = gpu.tile_table(jnp.asarray(cu), num_seqs, bt, max_tiles)
+    return q, jnp.asarray(cu), num_seqs, tok0, base
+
+
+# (G, H): divisors of 64 (the layouts the kernel always took), and groups that leave rows of the
+# 64-row tile without a query (G = 3, 5, 6, 7, 12 use 63, 60, 60, 63, 60 rows) at head dims that are
+# not a multiple of 64.
+TILE_LAYOUTS = [(1, 8), (4, 8), (8, 8), (3, 80), (5, 96), (6, 80), (12, 96), (16, 80), (7, 64)]
+
+
+@pytest.mark.parametrize("group,head_dim", TILE_LAYOUTS)
+def test_gpu_tile_queries_puts_every_token_at_its_tile_row(rng, group, head_dim):
+    """The tile-major q the GPU kernel loads: tile w, kv head k, row g*Bt + t = q[tok0 + t, k*G + g],
+    and rows G*Bt .. 63 (no query when G does not divide 64) are zeros.
 
     Ragged starts that are not multiples of 8 are the case a direct TMA copy out of [T, N, H] got
     wrong (zero-filled rows); the gather must place them exactly.
     """
     from pallas_kernels.ragged_paged_attention import gpu
-    kv_heads, head_dim, q_lens = 2, 8, [5, 1, 13, 9, 1]
-    num_seqs = len(q_lens)
-    cu = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
-    q = jnp.asarray(rng.standard_normal((sum(q_lens), kv_heads * group, head_dim)), jnp.float32)
-    bt = 64 // group
-    max_tiles = q.shape[0] // bt + num_seqs
-    _, tok0, _ = gpu.tile_table(cu, jnp.asarray([num_seqs]), bt, max_tiles)
+    kv_heads = 2
+    q, cu, _, tok0, _ = _tile_inputs(rng, group, head_dim, kv_heads)
+    bt, used = gpu.tile_rows(group)
     tiles = np.asarray(gpu.tile_queries(q, tok0, group, kv_heads))  # [W, K, 64, H]
-    assert tiles.shape == (max_tiles, kv_heads, 64, head_dim)
-    q_np, tok0 = np.asarray(q), np.asarray(tok0)
+    assert tiles.shape == (tok0.shape[0], kv_heads, 64, head_dim)
+    assert not tiles[:, :, used:].any()
+    q_np, tok0, cu = np.asarray(q), np.asarray(tok0), np.asarray(cu)
     checked = 0
     for w in np.flatnonzero(tok0 >= 0):
-        seq = np.searchsorted(np.asarray(cu)[1:], tok0[w], side="right")
+        seq = np.searchsorted(cu[1:], tok0[w], side="right")
         for t in range(min(bt, int(cu[seq + 1]) - tok0[w])):
             for k in range(kv_heads):
                 for g in range(group):
                     np.testing.assert_array_equal(tiles[w, k, g * bt + t],
                                                   q_np[tok0[w] + t, k * group + g])
                     checked += 1
-    assert checked == sum(q_lens) * kv_heads * group
+    assert checked == int(cu[-1]) * kv_heads * group
 
 
-def test_gpu_supported_config_routes_quantized_kv_to_the_reference():
+@pytest.mark.parametrize("group", [1, 3, 5, 6, 12, 16])
+def test_gpu_gather_rows_inverts_tile_queries(rng, group):
+    """Tile-major rows back to [T, N, H]: every real token from its own row, padding tokens zero."""
     from pallas_kernels.ragged_paged_attention import gpu
-    q = jax.ShapeDtypeStruct((4, 8, 128), jnp.bfloat16)
-    pages = lambda dtype, r=16: jax.ShapeDtypeStruct((9, r, 2, 128), dtype)
-    assert gpu.supported_config(q, pages(jnp.bfloat16))
-    assert not gpu.supported_config(q, pages(jnp.int8))
-    assert not gpu.supported_config(q, pages(jnp.bfloat16, r=24))
-    assert not gpu.supported_config(jax.ShapeDtypeStruct((4, 8, 96), jnp.bfloat16),
-                                    jax.ShapeDtypeStruct((9, 16, 2, 96), jnp.bfloat16))
+    q, cu, num_seqs, tok0, base = _tile_inputs(rng, group, 16, pad_tokens=3, pad_seqs=2)
+    tiles = gpu.tile_queries(q, tok0, group, 2).transpose(1, 0, 2, 3)  # [K, W, 64, H]
+    back = np.asarray(gpu._gather_rows(tiles, cu, num_seqs, base, q.shape[0], group))
+    real = int(cu[-1])
+    np.testing.assert_array_equal(back[:real], np.asarray(q)[:real])
+    assert not back[real:].any()
 
 
-# Ragged starts off the 8-row grid at every GQA ratio (the bug fixed in gpu.tile_queries).
+def test_gpu_tile_rows_fill_the_64_row_tile():
+    from pallas_kernels.ragged_paged_attention import gpu
+    for group in range(1, 65):
+        bt, used = gpu.tile_rows(group)
+        assert bt >= 1 and used == bt * group and 64 - group < used <= 64
+
+
+def test_gpu_swizzle_and_shared_memory_of_every_head_dim():
+    """Row widths pick the swizzle (80 -> 32 B, 96 -> 64 B); every supported page size and head dim
+    fits the shared-memory budget at the pipeline depth the wrapper picks."""
+    from pallas_kernels.ragged_paged_attention import gpu
+    assert {h: gpu.swizzle_bytes(h) for h in gpu.HEAD_DIMS} == {
+        64: 128, 80: 32, 96: 64, 128: 128, 192: 128, 256: 128}
+    for h in gpu.HEAD_DIMS:
+        for r in (8, 16, 32, 64, 128):
+            q = jax.ShapeDtypeStruct((8, 4, h), jnp.bfloat16)
+            if not gpu.supported_config(q, jax.ShapeDtypeStruct((9, r, 2, h), jnp.bfloat16)):
+                assert r == 128 and h > 128  # [128, H] K and V blocks at H > 128: 288+ KB
+                continue
+            for tokens, slots in ((64, 64), (4096, 1)):  # decode-like (3 stages), prefill (2)
+                bk = max(64, r)
+                stages = gpu._fit_stages(gpu.default_stages(h, tokens, slots), h, bk, 2)
+                assert gpu.smem_bytes(h, bk, stages) <= gpu._SMEM_BUDGET
+    # Today's shapes keep their depth: 3 stages at H <= 128 for decode, 2 above.
+    assert gpu._fit_stages(3, 128, 64, 2) == 3 and gpu._fit_stages(2, 256, 64, 2) == 2
+
+
+def test_gpu_supported_config_takes_every_group_and_head_dim():
+    from pallas_kernels.ragged_paged_attention import gpu
+    for group in range(1, 17):
+        for h in (64, 80, 96, 128, 256):
+            for r in (8, 16, 64):
+                q = jax.ShapeDtypeStruct((4, 2 * group, h), jnp.bfloat16)
+                pages = jax.ShapeDtypeStruct((9, r, 2, h), jnp.bfloat16)
+                assert gpu.unsupported_reason(q, pages) is None, (group, h, r)
+
+
+@pytest.mark.parametrize("q_shape,q_dtype,page_shape,kv_dtype,why", [
+    ((4, 8, 128), jnp.bfloat16, (9, 16, 2, 128), jnp.int8, "bf16/f16"),
+    ((4, 8, 128), jnp.bfloat16, (9, 16, 2, 128), jnp.float8_e4m3fn, "bf16/f16"),
+    ((4, 8, 128), jnp.float32, (9, 16, 2, 128), jnp.float32, "bf16/f16"),
+    ((4, 8, 128), jnp.bfloat16, (9, 24, 2, 128), jnp.bfloat16, "page size"),
+    ((4, 8, 128), jnp.bfloat16, (9, 4, 2, 128), jnp.bfloat16, "page size"),
+    ((4, 8, 128), jnp.bfloat16, (9, 256, 2, 128), jnp.bfloat16, "page size"),
+    ((4, 8, 72), jnp.bfloat16, (9, 16, 2, 72), jnp.bfloat16, "head dim"),
+    ((4, 8, 512), jnp.bfloat16, (9, 16, 2, 512), jnp.bfloat16, "head dim"),
+    ((4, 8, 256), jnp.bfloat16, (9, 128, 2, 256), jnp.bfloat16, "shared memory"),
+    ((4, 65, 64), jnp.bfloat16, (9, 16, 1, 64), jnp.bfloat16, "q heads per kv head"),
+    ((4, 6, 64), jnp.bfloat16, (9, 16, 4, 64), jnp.bfloat16, "q heads per kv head"),
+])
+def test_gpu_supported_config_routes_the_rest_to_the_reference(q_shape, q_dtype, page_shape,
+                                                               kv_dtype, why):
+    from pallas_kernels.ragged_paged_attention import gpu
+    q, pages = jax.ShapeDtypeStruct(q_shape, q_dtype), jax.ShapeDtypeStruct(page_shape, kv_dtype)
+    assert not gpu.supported_config(q, pages)
+    assert why in gpu.unsupported_reason(q, pages)
+
+
+def _preset_layouts():
+    """(num_heads, num_kv_heads, head_dim, sliding_window) of every model preset, from its YAML."""
+    import yaml
+    params = []
+    for path in sorted((Path(__file__).resolve().parents[2] / "configs" / "models").glob("*.yaml")):
+        cfg = yaml.safe_load(path.read_text())
+        n, k = cfg["num_heads"], cfg["num_kv_heads"]
+        h = cfg.get("head_dim") or cfg["hidden_size"] // n
+        params.append(pytest.param(n, k, h, cfg.get("sliding_window"), id=path.stem))
+    assert params, "no model presets found"
+    return params
+
+
+PRESET_LAYOUTS = _preset_layouts()
+
+
+@pytest.mark.parametrize("num_heads,kv_heads,head_dim,window", PRESET_LAYOUTS)
+def test_every_preset_head_layout_takes_the_gpu_kernel(num_heads, kv_heads, head_dim, window):
+    """A new preset whose heads the GPU kernel cannot take would run on the (slow) reference."""
+    from pallas_kernels.ragged_paged_attention import gpu
+    del window
+    q = jax.ShapeDtypeStruct((16, num_heads, head_dim), jnp.bfloat16)
+    pages = jax.ShapeDtypeStruct((9, 16, kv_heads, head_dim), jnp.bfloat16)
+    assert gpu.unsupported_reason(q, pages) is None
+
+
+def test_auto_on_gpu_falls_back_to_the_reference_and_warns_once_per_reason(rng, monkeypatch):
+    """Posing as a GPU: calls the kernel cannot take run on the reference, one warning per reason
+    however many layers and steps make the same call; an explicit "pallas_gpu" still refuses."""
+    import pallas_kernels.ragged_paged_attention as rpa
+    monkeypatch.setattr(rpa, "_backend", lambda: "gpu")
+    monkeypatch.setattr(rpa, "_WARNED", set())
+    int8 = dataclasses.replace(CASES["int8_kv"], dtype=jnp.bfloat16)
+    pages24 = Case(((3, 30), (1, 9)), num_heads=6, kv_heads=2, page_size=24, max_pages=2,
+                   dtype=jnp.bfloat16)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for case in (int8, int8, int8, pages24, pages24):
+            batch, kwargs = _build(rng, case)
+            out = ragged_paged_attention(*batch.args(), **kwargs, impl="auto")
+            want = reference.ragged_paged_attention(*batch.args(), **kwargs)
+            np.testing.assert_array_equal(np.asarray(out.astype(jnp.float32)),
+                                          np.asarray(want.astype(jnp.float32)))
+    messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 2, messages
+    assert "int8" in messages[0] and "page size must be" in messages[1]
+    assert all("running the jnp reference" in m for m in messages)
+    batch, kwargs = _build(rng, int8)
+    with pytest.raises(NotImplementedError, match="bf16/f16"):
+        ragged_paged_attention(*batch.args(), **kwargs, impl="pallas_gpu")
+
+
+def test_auto_on_cpu_runs_the_reference_without_a_warning(rng):
+    batch, kwargs = _build(rng, CASES["int8_kv"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ragged_paged_attention(*batch.args(), **kwargs, impl="auto")
+
+
+# The GPU kernel's own code in Pallas' Mosaic GPU interpreter on CPU (tiny: a few seconds each). It
+# runs the real kernel body: tile table, q gather, copies into tiles of each head dim's swizzle,
+# the QK^T wgmma, masks, online softmax, splits, the gather back; only PV is a plain dot there
+# (gpu._pv_accumulate says why). Hardware-only effects (TMA box bounds, shared-memory size,
+# registers) are the GPU tests' job.
+INTERPRET_CASES = {
+    "g3_h80_ragged_mixed": (Case(((5, 5), (11, 30), (1, 7), (3, 17)), num_heads=6, kv_heads=2,
+                                 head_dim=80), None),
+    "g5_h96_window_softcap": (Case(((7, 30), (1, 9), (12, 12)), num_heads=5, kv_heads=1,
+                                   head_dim=96, sliding_window=5, soft_cap=30.0), None),
+    "g6_h64_pages16_split": (Case(((17, 40), (1, 48)), num_heads=12, kv_heads=2, page_size=16,
+                                  max_pages=3), 2),
+    "g12_h128_padding": (Case(((2, 5), (1, 24), (9, 9)), num_heads=12, kv_heads=1, head_dim=128,
+                              pad_tokens=5, pad_seqs=2), None),
+    "g16_h80_decode_split": (Case(((1, 1), (1, 8), (1, 17), (1, 40)), num_heads=16, kv_heads=1,
+                                  head_dim=80), 3),
+    "g4_h64_pages128": (Case(((3, 150), (1, 20)), num_heads=4, kv_heads=1, page_size=128,
+                             max_pages=2), None),
+}
+
+
+@pytest.mark.parametrize("name", list(INTERPRET_CASES))
+def test_gpu_kernel_in_interpret_mode_matches_reference(rng, name):
+    case, num_splits = INTERPRET_CASES[name]
+    case = dataclasses.replace(case, dtype=jnp.bfloat16)
+    batch, kwargs = _build(rng, case)
+    from pallas_kernels.ragged_paged_attention import gpu
+    out = gpu.ragged_paged_attention(*batch.args(), **kwargs, num_splits=num_splits,
+                                     interpret=True)
+    want = reference.ragged_paged_attention(*batch.args(), **kwargs)
+    real = batch.num_real_tokens
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    assert relative_error(out[:real], want[:real].astype(jnp.float32)) < 2e-2
+    assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
+    assert not np.asarray(out[real:].astype(jnp.float32)).any()
+
+
+def _has_mosaic_gpu_bindings() -> bool:
+    try:
+        import jax._src.lib.mosaic_gpu  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+# (G, H, R, T, S): for each head dim, a decode-like batch (3 stages at H <= 128), a prefill-like one
+# (2 stages) and 128-token pages (128-position kv steps) where they fit.
+LOWERING_LAYOUTS = [
+    (g, h, r, t, s) for h in (64, 80, 96, 128, 192, 256)
+    for g, r, t, s in ((3, 16, 64, 64), (16, 64, 512, 2), (1, 128, 64, 64), (5, 8, 64, 64))
+    if not (r == 128 and h == 256)]
+
+
+@pytest.mark.skipif(not _has_mosaic_gpu_bindings(),
+                    reason="needs the Mosaic GPU bindings (jax-cuda13-plugin) to lower for CUDA")
+@pytest.mark.parametrize("group,head_dim,page_size,num_tokens,num_seqs", LOWERING_LAYOUTS)
+def test_gpu_kernel_lowers_for_cuda(group, head_dim, page_size, num_tokens, num_seqs):
+    """Lowers the kernel for CUDA without a GPU: Mosaic GPU's own checks run in Python here (wgmma
+    operand tiling and swizzle, TMA box ranks and transforms, the shared-memory total against the
+    227 KB a block may use). What is left for the GPU: PTX compilation and the run itself.
+    On a machine without a GPU: `pip install --no-deps --target DIR jax-cuda13-plugin==<jax's
+    version>` and put DIR on PYTHONPATH."""
+    import functools
+
+    from pallas_kernels.ragged_paged_attention import gpu
+    kv_heads, max_pages = 2, 4
+    num_pages = num_seqs * max_pages + 1
+    spec = jax.ShapeDtypeStruct
+    pages = spec((num_pages, page_size, kv_heads, head_dim), jnp.bfloat16)
+    args = (spec((num_tokens, group * kv_heads, head_dim), jnp.bfloat16), pages, pages,
+            spec((num_seqs,), jnp.int32), spec((num_seqs, max_pages), jnp.int32),
+            spec((num_seqs + 1,), jnp.int32), spec((1,), jnp.int32))
+    assert gpu.supported_config(args[0], pages)
+    fn = jax.jit(functools.partial(gpu.ragged_paged_attention, sm_scale=0.1, soft_cap=30.0,
+                                   sliding_window=100))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+# Ragged starts off the 8-row grid at every GQA ratio (the bug fixed in gpu.tile_queries), groups
+# above 16, and 128-token pages (kv steps of 128 positions, one page per step).
 GPU_EXTRA_CASES = {
     "ragged_starts_gqa4_h128": Case(((5, 5), (11, 30), (3, 3), (17, 40), (1, 7)), num_heads=8,
                                     kv_heads=2, head_dim=128),
     "ragged_starts_mha_h128_pages16": Case(((3, 20), (21, 21), (1, 33)), num_heads=2,
                                            kv_heads=2, head_dim=128, page_size=16, max_pages=3),
+    "gqa32_h128": Case(((9, 70), (1, 33), (2, 2)), num_heads=32, kv_heads=1, head_dim=128,
+                       page_size=16, max_pages=5),
+    "gqa64_h64_softcap": Case(((3, 40), (1, 9)), num_heads=64, kv_heads=1, page_size=16,
+                              max_pages=3, soft_cap=20.0),
+    "pages128_gqa3_h128": Case(((40, 200), (1, 130), (5, 5)), num_heads=6, kv_heads=2,
+                               head_dim=128, page_size=128, max_pages=2),
+    "pages128_gqa5_h80_window": Case(((33, 250), (1, 129)), num_heads=10, kv_heads=2,
+                                     head_dim=80, page_size=128, max_pages=2, sliding_window=70),
 }
+
+
+def _gpu_auto_matches_reference(rng, case: Case) -> None:
+    """impl="auto" on the GPU vs the reference on fresh random bf16 inputs; the kernel must take it."""
+    from pallas_kernels.ragged_paged_attention import gpu
+    batch, kwargs = _build(rng, dataclasses.replace(case, dtype=jnp.bfloat16))
+    assert resolve_impl("auto") == "pallas_gpu"
+    assert gpu.unsupported_reason(batch.q, batch.k_pages) is None  # no fallback to the reference
+    out = ragged_paged_attention(*batch.args(), **kwargs, impl="auto")
+    want = reference.ragged_paged_attention(*batch.args(), **kwargs)
+    real = batch.num_real_tokens
+    assert relative_error(out[:real], want[:real].astype(jnp.float32)) < 2e-2
+    assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
 
 
 @pytest.mark.gpu
@@ -193,11 +435,43 @@ def test_gpu_kernel_matches_reference(rng, name):
     assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
 
 
+# A ragged prefill + decode batch (starts off the 8-row grid, kv over several 64-position steps,
+# padding tokens and a padding sequence) for every G in 1..16 at every head dim; the page size and
+# window / soft-cap rotate with G so that each head dim meets each of them.
+SWEEP_SEQS = ((5, 5), (11, 75), (1, 7), (17, 100), (1, 128), (3, 20))
+GROUP_SWEEP = [(g, h) for h in (64, 80, 96, 128, 256) for g in range(1, 17)] + [
+    (g, 192) for g in (1, 3, 4, 8)]
+
+
 @pytest.mark.gpu
-def test_gpu_decode_splits_long_context(rng):
+@pytest.mark.parametrize("group,head_dim", GROUP_SWEEP, ids=[f"G{g}-H{h}" for g, h in GROUP_SWEEP])
+def test_gpu_auto_matches_reference_for_every_group_and_head_dim(rng, group, head_dim):
+    page_size = (16, 64, 8)[group % 3]
+    case = Case(SWEEP_SEQS, num_heads=2 * group, kv_heads=2, head_dim=head_dim,
+                page_size=page_size, max_pages=128 // page_size,
+                sliding_window=40 if group % 2 else None,
+                soft_cap=30.0 if group % 4 in (0, 1) else None, pad_tokens=3, pad_seqs=1)
+    _gpu_auto_matches_reference(rng, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,kv_heads,head_dim,window", PRESET_LAYOUTS)
+def test_gpu_auto_matches_reference_on_every_preset_head_layout(rng, num_heads, kv_heads,
+                                                                head_dim, window):
+    """The head layout of each configs/models preset (read from its YAML) on a ragged prefill +
+    decode batch; a preset with a sliding window gets one of 24 positions so that it masks here."""
+    case = Case(((37, 37), (1, 70), (13, 90), (1, 1), (6, 50)), num_heads=num_heads,
+                kv_heads=kv_heads, head_dim=head_dim, page_size=16, max_pages=8,
+                sliding_window=24 if window else None)
+    _gpu_auto_matches_reference(rng, case)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,kv_heads,head_dim", [(32, 8, 128), (9, 3, 64), (10, 2, 80)])
+def test_gpu_decode_splits_long_context(rng, num_heads, kv_heads, head_dim):
     """Few sequences with long contexts take the flash-decoding split + combine path."""
-    case = Case(((1, 1000), (1, 517), (3, 700)), num_heads=32, kv_heads=8, head_dim=128,
-                page_size=16, max_pages=64, dtype=jnp.bfloat16)
+    case = Case(((1, 1000), (1, 517), (3, 700)), num_heads=num_heads, kv_heads=kv_heads,
+                head_dim=head_dim, page_size=16, max_pages=64, dtype=jnp.bfloat16)
     batch, kwargs = _build(rng, case)
     from pallas_kernels.ragged_paged_attention import gpu
     out = gpu.ragged_paged_attention(*batch.args(), **kwargs, num_splits=4)
@@ -207,7 +481,7 @@ def test_gpu_decode_splits_long_context(rng):
 
 @pytest.mark.gpu
 def test_gpu_auto_routes_soft_cap_and_mha_to_the_kernel(rng):
-    """impl="auto" on the GPU now takes every bf16 configuration, soft-cap and G = 1 included."""
+    """impl="auto" on the GPU takes every bf16 configuration, soft-cap and G = 1 included."""
     case = dataclasses.replace(CASES["prefill_mha_h64"], dtype=jnp.bfloat16)
     batch, kwargs = _build(rng, case)
     kwargs["soft_cap"] = 5.0
@@ -216,3 +490,20 @@ def test_gpu_auto_routes_soft_cap_and_mha_to_the_kernel(rng):
     want = reference.ragged_paged_attention(*batch.args(), **kwargs)
     real = batch.num_real_tokens
     assert relative_error(out[:real], want[:real].astype(jnp.float32)) < 2e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", [
+    dataclasses.replace(CASES["int8_kv"], dtype=jnp.bfloat16),
+    CASES["fp8_kv_bf16_q"],
+    Case(((3, 30), (1, 9)), num_heads=6, kv_heads=2, page_size=24, max_pages=2,
+         dtype=jnp.bfloat16),
+    Case(((3, 30), (1, 9)), num_heads=6, kv_heads=2, head_dim=72, dtype=jnp.bfloat16),
+    Case(((3, 30), (1, 9)), num_heads=6, kv_heads=2, dtype=jnp.float32),
+], ids=["int8_kv", "fp8_kv", "pages24", "h72", "fp32"])
+def test_gpu_auto_falls_back_to_the_reference_instead_of_raising(rng, case):
+    batch, kwargs = _build(rng, case)
+    out = ragged_paged_attention(*batch.args(), **kwargs, impl="auto")
+    want = reference.ragged_paged_attention(*batch.args(), **kwargs)
+    real = batch.num_real_tokens
+    assert relative_error(out[:real], want[:real].astype(jnp.float32)) < 1e-5
