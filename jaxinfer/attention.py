@@ -121,7 +121,7 @@ def make_attention_fn(
     cfg: ModelConfig, impl: str, interpret: bool, mesh: Mesh | None = None, **extra: Any
 ) -> AttentionFn:
     """The per-layer attention the model calls; sharded over `mesh`'s model and seq axes when it has them."""
-    impl = resolve_impl(impl)  # resolve now: the platform is fixed for the runner's lifetime
+    resolve_impl(impl)  # validate only: "auto" is resolved per call, where the kernel can fall back
     sm_scale = extra.pop("sm_scale", attention_scale(cfg))
     local = functools.partial(_write_and_attend, impl=impl, interpret=interpret, sm_scale=sm_scale, **extra)
     if mesh is None or (model_parallel_size(mesh) == 1 and axis_size(mesh, SEQ) == 1):
