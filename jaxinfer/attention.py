@@ -33,7 +33,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
 from jaxinfer.models.common import AttentionFn, AttentionMetadata, write_kv
-from jaxinfer.sharding import flat_axes, axis_size, head_layout, model_axes, model_parallel_size
+from jaxinfer.sharding import attention_axes, attention_parallel_size, axis_size, head_layout
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolve_impl
 
 SEQ = "seq"
@@ -64,7 +64,7 @@ def _write_and_attend(
 def _own_kv_head(x: jax.Array, replicas: int, axes: tuple[str, ...]) -> jax.Array:
     """[T, K, H] whole on every device -> [T, 1, H]: the KV head this device's query heads read.
 
-    Device d of the model axes holds query heads d*N/n .. (d+1)*N/n - 1, all inside group d // replicas.
+    Device d of the attention axes holds query heads d*N/n .. (d+1)*N/n - 1, all inside group d // replicas.
     """
     head = jax.lax.axis_index(axes) // replicas
     return jax.lax.dynamic_slice_in_dim(x, head, 1, axis=1)  # [T, 1, H]
@@ -87,8 +87,8 @@ def _sharded(local: AttentionFn, mesh: Mesh, cfg: ModelConfig) -> AttentionFn:
     """Run `local` per device: heads and cache split over the model axes, and with a `seq` axis each
     device takes a slice of the step's queries (the new keys/values stay whole, so every device writes
     all of them into its copy of the cache and attends over the full prefix)."""
-    axes = flat_axes(model_axes(mesh.shape))
-    layout = head_layout(cfg, model_parallel_size(mesh))
+    axes = attention_axes(cfg, dict(mesh.shape))
+    layout = head_layout(cfg, attention_parallel_size(cfg, mesh))
     seq = axis_size(mesh, SEQ)
     split = axes if len(axes) != 1 else axes[0]
     heads, cache = P(None, split or None, None), P(None, None, split or None, None)
@@ -124,7 +124,7 @@ def make_attention_fn(
     resolve_impl(impl)  # validate only: "auto" is resolved per call, where the kernel can fall back
     sm_scale = extra.pop("sm_scale", attention_scale(cfg))
     local = functools.partial(_write_and_attend, impl=impl, interpret=interpret, sm_scale=sm_scale, **extra)
-    if mesh is None or (model_parallel_size(mesh) == 1 and axis_size(mesh, SEQ) == 1):
+    if mesh is None or (attention_parallel_size(cfg, mesh) == 1 and axis_size(mesh, SEQ) == 1):
         return local
     return _sharded(local, mesh, cfg)
 

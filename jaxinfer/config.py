@@ -225,7 +225,9 @@ class EngineConfig(_FromDict):
 
     dtype: DType = DType.FLOAT32
     tensor_parallel_size: int = 1
-    data_parallel_size: int = 1  # engine replicas, each over tensor_parallel_size devices
+    data_parallel_size: int = 1  # engine replicas, each over tensor x expert x sequence parallel devices
+    expert_parallel_size: int = 1  # MoE experts split over this many devices (attention: TP over them too)
+    sequence_parallel_size: int = 1  # each step's tokens split over this many devices (long prefills)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     max_num_seqs: int = 16
     max_num_batched_tokens: int = 512
@@ -233,7 +235,7 @@ class EngineConfig(_FromDict):
     interpret: bool = False
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "data_parallel_size"):
+        for name in ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size", "sequence_parallel_size"):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}.")

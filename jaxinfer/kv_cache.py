@@ -8,7 +8,7 @@ from flax import struct
 from jax.sharding import Mesh, NamedSharding
 
 from jaxinfer.config import ModelConfig
-from jaxinfer.sharding import Logical, ShardingRules, cache_heads, model_parallel_size
+from jaxinfer.sharding import Logical, ShardingRules, attention_parallel_size, cache_heads
 
 CACHE_AXES = (Logical.PAGES, Logical.PAGE_SLOT, Logical.KV_CACHE_HEADS, Logical.HEAD_DIM)
 
@@ -29,7 +29,7 @@ class KVCache:
 
 def bytes_per_page(cfg: ModelConfig, page_size: int, dtype: jnp.dtype, mesh: Mesh | None = None) -> int:
     """Bytes one page costs on each device of `mesh`, across all layers (K and V); the whole page without one."""
-    heads_per_device = cache_heads(cfg, mesh) // model_parallel_size(mesh)
+    heads_per_device = cache_heads(cfg, mesh) // attention_parallel_size(cfg, mesh)
     return 2 * cfg.num_layers * page_size * heads_per_device * cfg.head_size * jnp.dtype(dtype).itemsize
 
 

@@ -26,7 +26,7 @@ from jaxinfer.kv_cache import allocate_kv_cache, bytes_per_page
 from jaxinfer.models import family_for_config
 from jaxinfer.params import init_params
 from jaxinfer.presets import BUNDLED, bundled_checkpoint, is_alias, load_preset
-from jaxinfer.sharding import make_mesh, tensor_parallel_rules
+from jaxinfer.sharding import make_mesh, mesh_rules
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
 
 JNP_DTYPES = {DType.FLOAT32: jnp.float32, DType.BFLOAT16: jnp.bfloat16, DType.FLOAT16: jnp.float16}
@@ -101,6 +101,8 @@ class LLM:
         dtype: str = "float32",
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
+        sequence_parallel_size: int = 1,
         max_model_len: int | None = None,
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
@@ -124,6 +126,8 @@ class LLM:
             dtype=DType(dtype),
             tensor_parallel_size=tensor_parallel_size,
             data_parallel_size=data_parallel_size,
+            expert_parallel_size=expert_parallel_size,
+            sequence_parallel_size=sequence_parallel_size,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens,
@@ -144,8 +148,10 @@ class LLM:
         self.model_config: ModelConfig = preset if checkpoint is None else checkpoint.config
         self.family = family_for_config(self.model_config)
         # Before any device work: a layout no head split can use, or more devices than exist, is refused here.
-        self.rules = tensor_parallel_rules(self.model_config, tensor_parallel_size)
-        self.mesh = make_mesh(MeshConfig(data=data_parallel_size, tensor=tensor_parallel_size))
+        mesh_cfg = MeshConfig(data=data_parallel_size, tensor=tensor_parallel_size, expert=expert_parallel_size,
+                              seq=sequence_parallel_size)
+        self.rules = mesh_rules(self.model_config, mesh_cfg)
+        self.mesh = make_mesh(mesh_cfg)
         self.replica_meshes = local_replicas(self.mesh)
         self.dtype = JNP_DTYPES[self.engine_config.dtype]
         distributed.check_same_everywhere(

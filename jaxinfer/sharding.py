@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 from collections.abc import Mapping, Sequence
 
 import jax
@@ -163,27 +164,48 @@ def check_expert_parallel(cfg: ModelConfig, ep: int) -> None:
         )
 
 
+def attention_axes(cfg: ModelConfig, sizes: Mapping[str, int]) -> tuple[str, ...]:
+    """The mesh axes attention heads (and the KV cache) split over: all model axes when the heads divide
+    over expert x tensor, else `tensor` alone (attention then runs whole on each expert group, e.g. a small
+    model with 4 heads and 8 experts at expert_parallel_size=8). Raises when not even `tensor` works."""
+    tp, ep = sizes.get("tensor", 1), sizes.get("expert", 1)
+    every = flat_axes(model_axes(sizes))
+    if ep > 1:
+        try:
+            head_layout(cfg, tp * ep)
+            return every
+        except ConfigError:
+            pass
+    what = "tensor_parallel_size" if ep == 1 else f"tensor_parallel_size (with expert_parallel_size={ep})"
+    head_layout(cfg, tp, what)
+    return ("tensor",) if tp > 1 else ()
+
+
+def _as_axes(axes: tuple[str, ...]) -> MeshAxes:
+    return None if not axes else axes[0] if len(axes) == 1 else axes
+
+
 def mesh_rules(cfg: ModelConfig, mesh_cfg: MeshConfig) -> ShardingRules:
     """The layout of one model on one replica's mesh (see the module docstring); validated, with errors
     naming the numbers, before anything touches a device."""
-    tp, ep = mesh_cfg.tensor, mesh_cfg.expert
-    check_expert_parallel(cfg, ep)
-    degree = tp * ep
-    what = "tensor_parallel_size" if ep == 1 else f"tensor_parallel_size x expert_parallel_size ({tp} x {ep})"
-    layout = head_layout(cfg, degree, what)
-    axes = model_axes({"tensor": tp, "expert": ep})
+    sizes = {"tensor": mesh_cfg.tensor, "expert": mesh_cfg.expert}
+    check_expert_parallel(cfg, mesh_cfg.expert)
+    attn = attention_axes(cfg, sizes)
+    layout = head_layout(cfg, math.prod(sizes[a] for a in attn))
+    degree = mesh_cfg.tensor * mesh_cfg.expert
+    axes = model_axes(sizes)
     expert_ffn = cfg.moe_intermediate_size or cfg.intermediate_size
     return ShardingRules(
         {
             Logical.EMBED: None,
-            Logical.Q_HEADS: axes,
-            Logical.KV_HEADS: axes if layout.kv_sharded else None,
-            Logical.KV_CACHE_HEADS: axes,
+            Logical.Q_HEADS: _as_axes(attn),
+            Logical.KV_HEADS: _as_axes(attn) if layout.kv_sharded else None,
+            Logical.KV_CACHE_HEADS: _as_axes(attn),
             Logical.HEAD_DIM: None,
             Logical.FFN: _split_if(cfg.intermediate_size, degree, axes),
             Logical.VOCAB: _split_if(cfg.vocab_size, degree, axes),
-            Logical.EXPERTS: "expert" if ep > 1 else None,
-            Logical.EXPERT_FFN: _split_if(expert_ffn, tp, "tensor"),
+            Logical.EXPERTS: "expert" if mesh_cfg.expert > 1 else None,
+            Logical.EXPERT_FFN: _split_if(expert_ffn, mesh_cfg.tensor, "tensor"),
             Logical.PAGES: None,
             Logical.PAGE_SLOT: None,
         }
@@ -219,14 +241,15 @@ def axis_size(mesh: Mesh | None, axis: str) -> int:
     return 1 if mesh is None else int(mesh.shape.get(axis, 1))
 
 
-def model_parallel_size(mesh: Mesh | None) -> int:
-    """Devices the attention heads split over: tensor x expert."""
-    return axis_size(mesh, "tensor") * axis_size(mesh, "expert")
+def attention_parallel_size(cfg: ModelConfig, mesh: Mesh | None) -> int:
+    """Devices the attention heads (and the cache) split over on `mesh` (see `attention_axes`)."""
+    sizes = {} if mesh is None else dict(mesh.shape)
+    return math.prod(sizes[a] for a in attention_axes(cfg, sizes))
 
 
 def cache_heads(cfg: ModelConfig, mesh: Mesh | None) -> int:
     """KV heads the cache holds over `mesh` (more than the model's when KV heads are replicated)."""
-    return head_layout(cfg, model_parallel_size(mesh)).cache_heads
+    return head_layout(cfg, attention_parallel_size(cfg, mesh)).cache_heads
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
