@@ -1,20 +1,24 @@
-"""Multi-device scaling in one command: tensor and data parallelism beside one device, on the same machine.
+"""Multi-device scaling in one command: each parallel layout beside one device, on the same machine.
 
 Each configuration runs `jaxinfer bench` in its own process (so every run starts with empty devices) on the
-same prompts, then the ratios are computed and written with the raw results (issue 18's tp2.json):
+same prompts (decode at batch 1 and one offline workload), then the ratios are computed and written with
+the raw results.
 
-    PYTHONPATH=$PWD python3 scripts/bench_scaling.py --out $OUT/tp2.json            # two GPUs
+    PYTHONPATH=$PWD python3 scripts/bench_scaling.py --out $OUT/tp2.json              # two GPUs: issue 18
+    PYTHONPATH=$PWD python3 scripts/bench_scaling.py --mode moe --out $OUT/moe.json   # two GPUs: issue 19
 
-runs, for --model (default llama-3-8b, random weights, bf16): TP=1, TP=2 and DP=2 (decode at batch 1 and
-the 1000/1000 offline workload), then --big-model (default llama-3-70b) at TP=2, and the teacher-forced top-1
-agreement of TP=2 with TP=1 on a real bundled model (--agreement-model). The keys of the output:
+--mode tp (default --model llama-3-8b, random weights, bf16): TP=1, TP=2 and DP=2, then --big-model (default
+llama-3-70b) at TP=2, and the teacher-forced top-1 agreement of TP=2 with TP=1 on a real bundled model
+(--agreement-model). Keys: device, decode_step_ratio_vs_tp1, offline_ratio_vs_tp1, dp2_offline_ratio_vs_tp1,
+pair_mbu_batch1, llama70b_decode_mbu_batch1, llama70b_offline_fraction_of_limit, top1_agreement_tp2_vs_tp1.
 
-    device, decode_step_ratio_vs_tp1, offline_ratio_vs_tp1, dp2_offline_ratio_vs_tp1, pair_mbu_batch1,
-    llama70b_decode_mbu_batch1, llama70b_offline_fraction_of_limit, top1_agreement_tp2_vs_tp1
+--mode moe (default --model qwen3-30b-a3b): one device, EP=2, TP=2 and DP=2. Keys: device,
+ep2_offline_ratio_vs_ep1, ep2_decode_step_ratio, tp2_offline_ratio_vs_ep1, dp2_offline_ratio_vs_ep1, and the
+EP run's per-expert load (engine_stats' expert_token_counts, expert_load_max_over_mean).
 
-plus "targets" (each figure against issue 18's bar), "runs" (every bench result) and the commands. On CPU
-with forced devices (XLA_FLAGS=--xla_force_host_platform_device_count=4) and small --model/--grid
-settings the same command exercises every path; tests/test_bench_scaling.py does that.
+Both write "targets" (each figure against its issue's bar), "runs" (every bench result) and the command. On
+CPU with forced devices (XLA_FLAGS=--xla_force_host_platform_device_count=N) and small --model/--grid settings
+the same command exercises every path; tests/test_bench_scaling.py does that.
 """
 
 from __future__ import annotations
@@ -31,7 +35,11 @@ from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 
-# Issue 18's bars: (key, comparison, bar).
+# Each issue's bars: (key, comparison, bar).
+MOE_TARGETS = [
+    ("ep2_offline_ratio_vs_ep1", ">=", 1.6),
+    ("ep2_decode_step_ratio", "<=", 0.7),
+]
 TARGETS = [
     ("decode_step_ratio_vs_tp1", "<=", 0.65),
     ("offline_ratio_vs_tp1", ">=", 1.8),
@@ -44,7 +52,8 @@ TARGETS = [
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="llama-3-8b")
+    p.add_argument("--mode", choices=["tp", "moe"], default="tp")
+    p.add_argument("--model", default=None, help="default: llama-3-8b (tp), qwen3-30b-a3b (moe)")
     p.add_argument("--big-model", default="llama-3-70b", help="'none' skips it")
     p.add_argument("--agreement-model", default="gemma3-270m", help="a real bundled model; 'none' skips it")
     p.add_argument("--agreement-tokens", type=int, default=512)
@@ -100,6 +109,12 @@ print(json.dumps(top1_agreement({model!r}, {tokens}, {tp})))
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def _targets(out: dict[str, Any], bars: list[tuple[str, str, float]]) -> dict[str, Any]:
+    return {k: {"value": out[k], "bar": f"{op} {bar}",
+                "met": None if out[k] is None else (out[k] <= bar if op == "<=" else out[k] >= bar)}
+            for k, op, bar in bars}
+
+
 def summarize(runs: dict[str, dict[str, Any]], agree: dict[str, Any] | None) -> dict[str, Any]:
     tp1, tpn, dpn, big = (runs.get(k, {}) for k in ("tp1", "tp", "dp", "big"))
     out = {
@@ -112,27 +127,48 @@ def summarize(runs: dict[str, dict[str, Any]], agree: dict[str, Any] | None) -> 
         "llama70b_offline_fraction_of_limit": _get(offline(big), "fraction_of_limit"),
         "top1_agreement_tp2_vs_tp1": None if not agree else agree.get("agreement"),
     }
-    out["targets"] = {k: {"value": out[k], "bar": f"{op} {bar}",
-                          "met": None if out[k] is None else (out[k] <= bar if op == "<=" else out[k] >= bar)}
-                      for k, op, bar in TARGETS}
-    return out
+    return {**out, "targets": _targets(out, TARGETS)}
+
+
+def summarize_moe(runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    one, ep, tp, dp = (runs.get(k, {}) for k in ("tp1", "ep", "tp", "dp"))
+    ep_tok_s = _get(offline(ep), "output_tok_s")
+    load = ep.get("engine_stats") or {}
+    out = {
+        "device": one.get("device"),
+        "ep2_offline_ratio_vs_ep1": _ratio(ep_tok_s, _get(offline(one), "output_tok_s")),
+        "ep2_decode_step_ratio": _ratio(_get(decode_b1(ep), "step_ms"), _get(decode_b1(one), "step_ms")),
+        "tp2_offline_ratio_vs_ep1": _ratio(_get(offline(tp), "output_tok_s"), _get(offline(one), "output_tok_s")),
+        "dp2_offline_ratio_vs_ep1": _ratio(_get(offline(dp), "output_tok_s"), _get(offline(one), "output_tok_s")),
+        "one_device_decode_mbu_batch1": _get(decode_b1(one), "mbu"),
+        "one_device_offline_fraction_of_limit": _get(offline(one), "fraction_of_limit"),
+        "expert_load_max_over_mean": load.get("expert_load_max_over_mean"),
+        "expert_token_counts": load.get("expert_token_counts"),
+    }
+    return {**out, "targets": _targets(out, MOE_TARGETS)}
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     n = str(args.devices)
+    moe = args.mode == "moe"
+    model = args.model or ("qwen3-30b-a3b" if moe else "llama-3-8b")
+    layouts = {"tp1": [], "tp": ["--tensor-parallel-size", n], "dp": ["--data-parallel-size", n]}
+    if moe:
+        layouts["ep"] = ["--expert-parallel-size", n]
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        runs["tp1"] = run_bench("tp1", args, args.model, [], work)
-        runs["tp"] = run_bench(f"tp{n}", args, args.model, ["--tensor-parallel-size", n], work)
-        runs["dp"] = run_bench(f"dp{n}", args, args.model, ["--data-parallel-size", n], work)
-        if args.big_model != "none":
+        for name, extra in layouts.items():
+            runs[name] = run_bench(name, args, model, extra, work)
+        if not moe and args.big_model != "none":
             runs["big"] = run_bench("big", args, args.big_model, ["--tensor-parallel-size", n], work)
-    agree = None if args.agreement_model == "none" else agreement(args.agreement_model, args.agreement_tokens,
-                                                                 args.devices)
-    result = {**summarize(runs, agree), "command": "scripts/bench_scaling.py " + " ".join(argv or sys.argv[1:]),
-              "agreement": agree, "runs": runs, "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    agree = None
+    if not moe and args.agreement_model != "none":
+        agree = agreement(args.agreement_model, args.agreement_tokens, args.devices)
+    summary = summarize_moe(runs) if moe else summarize(runs, agree)
+    result = {**summary, "command": "scripts/bench_scaling.py " + " ".join(argv or sys.argv[1:]),
+              "model": model, "agreement": agree, "runs": runs, "xla_flags": os.environ.get("XLA_FLAGS", "")}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1, default=str) + "\n")
     for key, t in result["targets"].items():

@@ -183,3 +183,17 @@ def test_limit_counts_the_longest_output_as_sequential_steps():
     w = Workload("tail", (100,) * 64, (1000,) + (10,) * 63)
     lim = workload_limit(cost, w, kv_capacity_tokens=10**6, max_num_seqs=256, copy_bw=H100_COPY, matmul_rate=H100_MATMUL)
     assert lim["memory_s"] >= 1000 * cost.weight_bytes_per_step / H100_COPY
+
+
+def test_moe_cost_counts_active_experts_at_batch_1_and_all_of_them_at_large_batch():
+    from jaxinfer.models import family_for_config
+    from jaxinfer.params import count_params
+
+    cfg = load_preset("qwen3-30b-a3b")
+    cost = ModelCost.of(cfg)
+    active = cost.body_params + 2 * cost.head_params  # untied embedding + LM head
+    assert abs(active - 3.35e9) / 3.35e9 < 0.01  # Qwen3-30B-A3B's published 3.3B activated parameters
+    total_bytes = 2 * count_params(family_for_config(cfg).param_specs(cfg, "bfloat16")) - 2 * cost.head_params
+    assert cost.weight_bytes(1) == cost.weight_bytes_per_step
+    assert cost.weight_bytes(4096) == pytest.approx(total_bytes, rel=1e-3)  # every expert is read
+    assert cost.weight_bytes(1) < cost.weight_bytes(8) < cost.weight_bytes(64)

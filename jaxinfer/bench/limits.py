@@ -22,14 +22,19 @@ from jaxinfer.params import count_params
 class ModelCost:
     body_params: int  # every weight a token's forward multiplies by, except the LM head and the embedding
     head_params: int  # the LM head (the embedding itself when tied): only sampled tokens use it
-    weight_bytes_per_step: int  # what one decode step reads: body + head (the embedding is a row gather)
+    weight_bytes_per_step: int  # what a decode step of one sequence reads: body + head (the embedding is a gather)
     kv_bytes_per_token: int  # K and V of one position in every layer
     attn_flops_per_pair: int  # QK^T and PV FLOPs of one query against one context position, all layers
+    inactive_expert_bytes: int = 0  # MoE: experts one token does not use (a larger batch reads some of them)
+    expert_fraction: float = 0.0  # MoE: experts per token / experts (k / E)
 
     @classmethod
     def of(cls, cfg: ModelConfig, dtype: jnp.dtype = jnp.bfloat16, kv_dtype: jnp.dtype | None = None) -> ModelCost:
+        """A mixture-of-experts model counts only the experts a token uses (top-k of E): those are the
+        weights a token's forward multiplies by, and at batch 1 the only expert weights a step reads."""
         specs = family_for_config(cfg).param_specs(cfg, dtype)
-        total = count_params(specs)
+        inactive = inactive_expert_params(cfg)
+        total = count_params(specs) - inactive
         head = cfg.vocab_size * cfg.hidden_size
         body = total - head - (0 if cfg.tie_word_embeddings else head)  # the embedding is not a matmul
         item = jnp.dtype(dtype).itemsize
@@ -40,7 +45,30 @@ class ModelCost:
             weight_bytes_per_step=(body + head) * item,
             kv_bytes_per_token=2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_size * kv_item,
             attn_flops_per_pair=4 * cfg.num_layers * cfg.num_heads * cfg.head_size,
+            inactive_expert_bytes=inactive * item,
+            expert_fraction=cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 0.0,
         )
+
+    def weight_bytes(self, batch: float) -> float:
+        """Weights one decode step of `batch` sequences reads. A dense model reads all of them whatever the
+        batch; a MoE layer reads the experts any of the batch's tokens routes to: with balanced routing an
+        expert is missed by all of them with probability (1 - k/E)^batch."""
+        if not self.inactive_expert_bytes:
+            return self.weight_bytes_per_step
+        f = self.expert_fraction
+        all_experts = self.inactive_expert_bytes / (1 - f)  # the active k/E of them are in weight_bytes_per_step
+        missed = (1 - f) ** max(batch, 1)
+        return self.weight_bytes_per_step - f * all_experts + (1 - missed) * all_experts
+
+
+def inactive_expert_params(cfg: ModelConfig) -> int:
+    """Expert parameters a token does not use: E - k of the experts of every MoE layer."""
+    if not cfg.num_experts:
+        return 0
+    specs = family_for_config(cfg).param_specs(cfg, jnp.float32)
+    moe = [layer.moe for layer in specs.layers if getattr(layer, "moe", None) is not None]
+    per_expert = sum(count_params((m.w_gate, m.w_up, m.w_down)) for m in moe) // cfg.num_experts
+    return per_expert * (cfg.num_experts - cfg.num_experts_per_tok)
 
 
 def attended_context(workload: Workload) -> int:
@@ -64,7 +92,7 @@ def workload_limit(
     # Decode steps, each reading the weights once: at a full batch, but never fewer than the longest
     # request's output, whose tokens come one step after another however many requests run beside it.
     steps = max(workload.output_tokens / replicas / batch, max(workload.output_lens))
-    bytes_read = steps * cost.weight_bytes_per_step + context * cost.kv_bytes_per_token
+    bytes_read = steps * cost.weight_bytes(batch) + context * cost.kv_bytes_per_token
     forward_tokens = workload.input_tokens + workload.output_tokens - workload.num_prompts
     prefill_pairs = sum(i * (i + 1) // 2 for i in workload.input_lens)  # causal
     flops = (

@@ -38,6 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--tensor-parallel-size", type=int, default=1, help="devices per engine replica")
     p.add_argument("--data-parallel-size", type=int, default=1, help="engine replicas")
+    p.add_argument("--expert-parallel-size", type=int, default=1, help="MoE experts split over this many devices")
+    p.add_argument("--sequence-parallel-size", type=int, default=1, help="each step's tokens split this many ways")
     p.add_argument("--sections", nargs="*", default=None,
                    help="run only these sections (decode, decode_device, prefill, grid, hf_comparison, sweep)")
     p.add_argument("--max-num-seqs", type=int, default=256)
@@ -203,7 +205,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     t = time.perf_counter()
     tp, dp = args.tensor_parallel_size, args.data_parallel_size
     llm = LLM(args.model, random_weights=True, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              tensor_parallel_size=tp, data_parallel_size=dp,
+              tensor_parallel_size=tp, data_parallel_size=dp, expert_parallel_size=args.expert_parallel_size,
+              sequence_parallel_size=args.sequence_parallel_size,
               max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
               memory_fraction=args.memory_fraction, num_pages=args.num_pages, decode_steps_per_call=args.decode_steps_per_call,
               overlap_decode=args.overlap_decode, compile_threads=args.compile_threads, use_tqdm=False,
@@ -215,8 +218,9 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     print(json.dumps(result["mesh"]), flush=True)
     cost = ModelCost.of(llm.model_config, llm.dtype)
     kv_tokens = replica.engine.scheduler.stats()["total_pages"] * args.page_size
-    # One replica of tp devices reads and computes at tp times one device's measured rates.
-    replica_bw, replica_rate = copy_bw * tp, rate * tp
+    # One replica of n devices reads and computes at n times one device's measured rates.
+    per_replica = tp * args.expert_parallel_size * args.sequence_parallel_size
+    replica_bw, replica_rate = copy_bw * per_replica, rate * per_replica
     result["engine"] = {"max_num_seqs": args.max_num_seqs, "max_num_batched_tokens": args.max_num_batched_tokens,
                         "max_model_len": max_len, "page_size": args.page_size, "kv_capacity_tokens": kv_tokens,
                         "decode_steps_per_call": args.decode_steps_per_call,

@@ -166,8 +166,8 @@ def decode_mbu(llm: Any, cost: ModelCost, batch: int, ctx: int, steps: int, copy
         "ctx": ctx,
         "step_ms": step_s * 1e3,
         "tok_s": batch / step_s,
-        "bytes_per_step": cost.weight_bytes_per_step + kv_bytes,
-        "mbu": (cost.weight_bytes_per_step + kv_bytes) / step_s / copy_bw,
+        "bytes_per_step": cost.weight_bytes(batch) + kv_bytes,
+        "mbu": (cost.weight_bytes(batch) + kv_bytes) / step_s / copy_bw,
         **delta,
     }
 
@@ -235,7 +235,7 @@ def decode_device_profile(llm: Any, cost: ModelCost, batch: int, ctx: int, copy_
         kernels = {"error": f"{type(e).__name__}: {e}"[:500]}
     for state in states:
         engine.abort(state.request_id)
-    bytes_per_step = cost.weight_bytes_per_step + batch * ctx * cost.kv_bytes_per_token
+    bytes_per_step = cost.weight_bytes(batch) + batch * ctx * cost.kv_bytes_per_token
     return {
         "batch": batch,
         "ctx": ctx,
