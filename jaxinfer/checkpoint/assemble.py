@@ -90,6 +90,35 @@ def to_our_layout(w: np.ndarray, transform: Transform, spec_shape: tuple[int, ..
     return w.reshape(d, heads, h).transpose(1, 2, 0)  # [D, heads*H] -> [heads, H, D]
 
 
+def _span(index: slice, size: int) -> tuple[int, int]:
+    start, stop, step = index.indices(size)
+    if step != 1:
+        raise ValueError("shard indices are contiguous")
+    return start, stop
+
+
+def source_block(transform: Transform, spec_shape: tuple[int, ...],
+                 index: tuple[slice, ...]) -> tuple[tuple[slice, ...], tuple[int, ...]]:
+    """The checkpoint-layout block that holds our-layout block `index` (one shard of the weight), and that
+    block's own spec shape, so `to_our_layout(w[block], transform, shape)` is exactly `ours[index]`.
+
+    A head axis is only ever split at whole heads (head_dim is never sharded), so each shard maps to one
+    contiguous row or column range of the checkpoint tensor."""
+    spans = [_span(i, n) for i, n in zip(index, spec_shape)]
+    shape = tuple(b - a for a, b in spans)
+    if transform is Transform.NONE:
+        return tuple(slice(a, b) for a, b in spans), shape
+    if transform is Transform.LINEAR:
+        return tuple(slice(a, b) for a, b in reversed(spans)), shape
+    if transform is Transform.LINEAR_TO_HEADS:  # ours [D, heads, H] <- [heads*H, D]
+        (d0, d1), (h0, h1), _ = spans
+        h = spec_shape[2]
+        return (slice(h0 * h, h1 * h), slice(d0, d1)), shape
+    (h0, h1), _, (d0, d1) = spans  # ours [heads, H, D] <- [D, heads*H]
+    h = spec_shape[1]
+    return (slice(d0, d1), slice(h0 * h, h1 * h)), shape
+
+
 def expected_source_shape(transform: Transform, spec_shape: tuple[int, ...]) -> tuple[int, ...]:
     """The checkpoint-side shape a tensor must have to become `spec_shape`."""
     if transform is Transform.NONE:
@@ -191,13 +220,15 @@ def _rule_for(path: str, rules: list[TensorRule]) -> tuple[TensorRule, dict[str,
 
 @dataclasses.dataclass
 class TensorSource:
-    """A checkpoint seen as named tensors: `read(name)` returns float32/bf16 numpy in checkpoint layout."""
+    """A checkpoint seen as named tensors: `read(name)` returns float32/bf16 numpy in checkpoint layout;
+    `read_block(name, index)`, where the format can read part of a tensor, only that block."""
 
     description: str  # for messages, e.g. the file path
     names: set[str]
     shape_of: Callable[[str], tuple[int, ...]]
     read: Callable[[str], np.ndarray]
     ignorable: Callable[[str], bool] = lambda name: False
+    read_block: Callable[[str, tuple[slice, ...]], np.ndarray] | None = None
 
 
 def assemble_weights(
@@ -217,12 +248,16 @@ def assemble_weights(
     _check_names_and_shapes(plan, source)
     arrays = []
     for p in plan:
+        sharding = sharding_rules.sharding(mesh, p.spec.logical_axes)
+        if _reads_blocks(p, source, sharding, postprocess):
+            arrays.append(_place_blocks(p, source, sharding))
+            continue
         tensors = [source.read(name) for name in p.names]
         if postprocess is not None:
             tensors = [postprocess(p.path, p.rule, w) for w in tensors]
         w = np.ascontiguousarray(p.to_our_layout(tensors)).astype(p.spec.dtype)
         del tensors
-        arrays.append(_place(w, sharding_rules.sharding(mesh, p.spec.logical_axes)))
+        arrays.append(_place(w, sharding))
     _, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     return jax.tree.unflatten(treedef, arrays)
 
@@ -251,4 +286,23 @@ def _check_names_and_shapes(plan: list[_Planned], source: TensorSource) -> None:
 def _place(w: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
     """Each device gets only its own slice of the host tensor."""
     return jax.make_array_from_callback(w.shape, sharding, lambda index: w[index])
+
+
+def _reads_blocks(p: _Planned, source: TensorSource, sharding: jax.sharding.Sharding, postprocess: Any) -> bool:
+    """Read only this process's shards when the weight spans processes (a multi-host model: no host should
+    read every byte of the checkpoint) and the format can read a block of a plain, whole tensor."""
+    simple = p.experts is None and p.part is None and postprocess is None and source.read_block is not None
+    return simple and not sharding.is_fully_addressable
+
+
+def _place_blocks(p: _Planned, source: TensorSource, sharding: jax.sharding.Sharding) -> jax.Array:
+    """Each addressable device's shard read straight from the checkpoint block that holds it."""
+    name, shape, transform = p.names[0], p.spec.shape, p.rule.transform
+
+    def shard(index: tuple[slice, ...]) -> np.ndarray:
+        block, block_shape = source_block(transform, shape, index)
+        w = to_our_layout(source.read_block(name, block), transform, block_shape)
+        return np.ascontiguousarray(w).astype(p.spec.dtype)
+
+    return jax.make_array_from_callback(shape, sharding, shard)
 

@@ -92,11 +92,18 @@ class SafetensorsCheckpoint:
                 except SafetensorError as e:
                     raise CheckpointError(f"{self.weight_map[name]}: cannot read tensor {name!r} ({e}).") from None
 
+            def read_block(name: str, index: tuple[slice, ...]) -> np.ndarray:
+                try:
+                    return handle(name).get_slice(name)[index]  # reads only those bytes of the file
+                except SafetensorError as e:
+                    raise CheckpointError(f"{self.weight_map[name]}: cannot read tensor {name!r} ({e}).") from None
+
             source = TensorSource(
                 description=str(self.directory),
                 names=set(self.weight_map),
                 shape_of=lambda name: tuple(handle(name).get_slice(name).get_shape()),
                 read=read,
                 ignorable=self._ignorable,
+                read_block=read_block,
             )
             return assemble_weights(specs, self.family.checkpoint_rules(), source, "hf", mesh, rules)

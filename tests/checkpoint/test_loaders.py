@@ -58,6 +58,30 @@ def test_sharded_index_and_tensor_parallel_placement(tmp_path: Path, smollm2_pat
     assert {s.data.shape for s in shards} == {(64, 2, 16)}  # each device holds only its two q heads
 
 
+def test_a_model_spanning_processes_reads_only_each_devices_block(tiny_dir: Path, monkeypatch) -> None:
+    """Multi-host: a process reads only its devices' blocks of a split weight, never the whole tensor. One
+    process cannot span processes, so the check that picks the block path is told every weight does."""
+    from jaxinfer.checkpoint import assemble
+
+    _, whole = load(tiny_dir, tp=4)
+    reads: list[tuple[str, tuple[slice, ...]]] = []
+    original = assemble._place_blocks
+
+    def spy(p, source, sharding):
+        if not hasattr(source, "spied"):
+            read_block, source.spied = source.read_block, True
+            source.read_block = lambda name, index: reads.append((name, index)) or read_block(name, index)
+        return original(p, source, sharding)
+
+    monkeypatch.setattr(assemble, "_reads_blocks", lambda p, source, sharding, post: source.read_block is not None)
+    monkeypatch.setattr(assemble, "_place_blocks", spy)
+    _, blocks = load(tiny_dir, tp=4)
+    for a, b in zip(jax.tree.leaves(whole), jax.tree.leaves(blocks)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    q_reads = [index for name, index in reads if name == "model.layers.0.self_attn.q_proj.weight"]
+    assert len(q_reads) == 4 and {(ix[0].stop - ix[0].start) for ix in q_reads} == {64 // 4}  # a quarter of the rows
+
+
 def test_orbax_convert_round_trip(tmp_path: Path, tiny_dir: Path) -> None:
     from jaxinfer.cli import main
 
