@@ -115,6 +115,16 @@ def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Arra
     return jnp.einsum("tf,fd->td", h, w_down)  # [T, D]
 
 
+def output_projection(attn: jax.Array, wo: jax.Array) -> jax.Array:
+    """attn [T, N, H] @ wo [N, H, D] -> [T, D], contracted as one [T, N*H] x [N*H, D] matmul.
+
+    Written as the einsum "tnh,nhd->td", XLA's CPU layout assignment contracted (h, n) in that order and
+    transposed wo into it: a full copy of the weight on every call, and inside the multi-step decode loop on
+    every iteration. Both reshapes here are free (row-major bitcasts), so the weight is read in place."""
+    t, n, h = attn.shape
+    return jnp.einsum("tm,md->td", attn.reshape(t, n * h), wo.reshape(n * h, wo.shape[-1]))  # [T, D]
+
+
 def write_kv(
     k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
 ) -> tuple[jax.Array, jax.Array]:

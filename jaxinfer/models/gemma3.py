@@ -47,6 +47,7 @@ from jaxinfer.models.common import (
     AttentionMetadata,
     apply_rope,
     gated_mlp,
+    output_projection,
     refuse_fields,
     rms_norm,
     rope_inv_freq,
@@ -201,7 +202,7 @@ def attention_block(
     q = apply_rope(q, md.positions, settings.inv_freq)
     k = apply_rope(k, md.positions, settings.inv_freq)
     attn, k_pages, v_pages = attn_fn(q, k, v, k_pages, v_pages, md, **settings.kwargs)  # [T, N, H]
-    out = jnp.einsum("tnh,nhd->td", attn, layer.wo)  # [T, D]
+    out = output_projection(attn, layer.wo)  # [T, D]
     return out, k_pages, v_pages
 
 

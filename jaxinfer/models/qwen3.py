@@ -37,6 +37,7 @@ from jaxinfer.models.common import (
     AttentionMetadata,
     apply_rope,
     gated_mlp,
+    output_projection,
     gguf_arch_key,
     hf_num_experts,
     hf_rope_theta,
@@ -154,7 +155,7 @@ def attention_block(
     q = apply_rope(rms_norm(q, layer.q_norm, eps), md.positions, inv_freq)  # norm over H, per head
     k = apply_rope(rms_norm(k, layer.k_norm, eps), md.positions, inv_freq)
     attn, k_pages, v_pages = attn_fn(q, k, v, k_pages, v_pages, md)  # [T, N, H]
-    out = jnp.einsum("tnh,nhd->td", attn, layer.wo)  # [T, D]
+    out = output_projection(attn, layer.wo)  # [T, D]
     return out, k_pages, v_pages
 
 
