@@ -69,6 +69,8 @@ def max_work_items(num_rows: int, num_groups: int, tile_m: int) -> int:
     return max(1, (num_rows + segments * (tile_m + _ROW_ALIGN - 2)) // tile_m)
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["meta", "first_item", "starts", "ends"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class WorkItems:
     meta: jax.Array  # [4, W] int32: group (-1: zero rows), first row (multiple of 8), lo, hi
