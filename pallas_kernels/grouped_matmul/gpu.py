@@ -5,7 +5,8 @@ Work decomposition (docs/KERNELS.md has the reasoning):
 * A *work item* is up to `tile_m` consecutive rows of one group. Its first row is the group's start
   rounded down to a multiple of 8, then every `tile_m` rows after, so a group of s rows starting at
   row r has ceil((s + r % 8) / tile_m) items. The wrapper lists the items of all groups on device
-  (`work_items`, from cumsum / searchsorted over group_sizes) into a static-size table
+  (`work_items`, from cumsum / searchsorted over group_sizes; "compare_all" searches, which XLA
+  fuses into a kernel or two instead of a loop of launches) into a static-size table
   `meta [4, W]` (group, first row, lo, hi): shapes never depend on the routing. Items past the
   real ones have lo == hi and exit at once; empty groups have no items.
 * Why 8-row starts: the lhs tile is one TMA copy into 128-byte-swizzled shared memory, which
@@ -93,7 +94,8 @@ def work_items(group_sizes: jax.Array, num_rows: int, tile_m: int, max_items: in
     bounds = jnp.cumsum(counts)
     first = bounds - counts
     w = jnp.arange(max_items, dtype=jnp.int32)
-    seg = jnp.minimum(jnp.searchsorted(bounds, w, side="right"), num_groups).astype(jnp.int32)  # [W]
+    seg = jnp.searchsorted(bounds, w, side="right", method="compare_all")  # [W]: first bound > w
+    seg = jnp.minimum(seg, num_groups).astype(jnp.int32)
     row0 = seg_row0[seg] + (w - first[seg]) * tile_m
     real = w < bounds[-1]
     lo = jnp.where(real, jnp.maximum(row0, seg_lo[seg]), 0)
@@ -223,7 +225,8 @@ def _gather_cols(parts, items: WorkItems, m: int, tile_m: int, scales) -> jax.Ar
     _, num_items, n, _ = parts.shape
     tiles = parts.sum(axis=0).transpose(0, 2, 1).reshape(num_items * tile_m, n)  # [W*tm, N]
     r = jnp.arange(m, dtype=jnp.int32)
-    grp = jnp.minimum(jnp.searchsorted(items.ends, r, side="right"), items.ends.shape[0] - 1)  # [M]
+    grp = jnp.searchsorted(items.ends, r, side="right", method="compare_all")  # [M]: the row's group
+    grp = jnp.minimum(grp, items.ends.shape[0] - 1)
     local = r - items.starts[grp] // _ROW_ALIGN * _ROW_ALIGN  # row within the group's item run
     rows = tiles[jnp.clip(items.first_item[grp] * tile_m + local, 0, num_items * tile_m - 1)]  # [M, N]
     if scales is not None:

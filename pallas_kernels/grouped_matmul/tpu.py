@@ -47,7 +47,8 @@ def tile_items(group_sizes: jax.Array, num_rows: int, num_tiles: int, tile_m: in
     counts = jnp.concatenate([counts, (num_tiles - zero_tile0)[None]])  # [G+1]: groups, zero tiles
     bounds = jnp.cumsum(counts)
     w = jnp.arange(max_items, dtype=jnp.int32)
-    seg = jnp.minimum(jnp.searchsorted(bounds, w, side="right"), num_groups).astype(jnp.int32)
+    seg = jnp.searchsorted(bounds, w, side="right", method="compare_all")  # [W]: first bound > w
+    seg = jnp.minimum(seg, num_groups).astype(jnp.int32)
     j = w - (bounds - counts)[seg]
     is_group = seg < num_groups
     g = jnp.minimum(seg, num_groups - 1)
@@ -135,7 +136,8 @@ def grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array, *, preferred_ele
             num_scalar_prefetch=1, grid=(n // tiling.tile_n, num_items, k // tiling.tile_k),
             in_specs=in_specs, out_specs=out_spec,
             scratch_shapes=[pltpu.VMEM((tiling.tile_m, tiling.tile_n), jnp.float32)]),
-        out_shape=jax.ShapeDtypeStruct((num_tiles * tiling.tile_m, n), output_dtype(lhs, preferred_element_type)),
+        out_shape=jax.ShapeDtypeStruct((num_tiles * tiling.tile_m, n),
+                                       output_dtype(lhs, preferred_element_type)),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary", "arbitrary")),
         interpret=interpret,
     )(items, *operands)

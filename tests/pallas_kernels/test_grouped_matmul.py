@@ -203,7 +203,9 @@ TPU_CASES = {
 
 
 def _case_sizes(rng, spec):
-    return np.asarray(spec, np.int32) if isinstance(spec, list) else _sizes(rng, spec[0], spec[1], empty=spec[2])
+    if isinstance(spec, list):
+        return np.asarray(spec, np.int32)
+    return _sizes(rng, spec[0], spec[1], empty=spec[2])
 
 
 @pytest.mark.parametrize("name", list(TPU_CASES))
@@ -233,7 +235,8 @@ def test_tpu_kernel_preferred_element_type(rng):
 GPU_INTERPRET_CASES = {
     "rows_bf16_f32_out": (100, 256, 128, (90, 5, 1), None, jnp.float32, GpuTiling("rows", 64, 64, 64, 2)),
     "rows_int8": (77, 256, 128, (70, 4, 1), "int8", jnp.bfloat16, GpuTiling("rows", 64, 128, 64, 2)),
-    "cols_bf16_split_k": (44, 256, 128, (40, 6, 2), None, jnp.float32, GpuTiling("cols", 16, 64, 64, 2, k_splits=2)),
+    "cols_bf16_split_k": (44, 256, 128, (40, 6, 2), None, jnp.float32,
+                          GpuTiling("cols", 16, 64, 64, 2, k_splits=2)),
     "cols_fp8": (21, 256, 128, [3, 0, 9, 1, 8], "fp8", jnp.bfloat16, GpuTiling("cols", 8, 64, 128, 2)),
 }
 

@@ -1,0 +1,289 @@
+"""Benchmark of the grouped matmul (MoE experts) on the GPU machine, against jax.lax.ragged_dot.
+
+    JAX_PLATFORMS=cuda PYTHONPATH=$PWD python3 scripts/bench_grouped_matmul.py --out $OUT/gmm.json
+    PYTHONPATH=$PWD python3 scripts/bench_grouped_matmul.py --smoke   # CPU: tiny shapes, interpret mode
+
+Qwen3-30B-A3B expert shapes (128 experts, top-8, hidden 2048, moe_intermediate_size 768): gate/up
+`[E, 2048, 768]` and down `[E, 768, 2048]`, at decode (1, 8, 64, 256 tokens x top-8 rows) and
+prefill (4096 tokens x 8), random balanced routing (each token picks 8 distinct experts uniformly),
+bf16 weights and int8 / fp8 QuantizedExperts (bf16 activations throughout).
+
+Each case times our Pallas GPU kernel (the tuned tiling, then a few alternative tilings so the
+table in pallas_kernels/grouped_matmul/tuning.py can be corrected from the numbers), XLA's
+`jax.lax.ragged_dot` on the bf16 weights, and for quantized weights XLA's dequantize + ragged_dot
+in one jit. `--ragged-dot-fusion` also times ragged_dot in a subprocess with XLA's cuDNN
+ragged-dot fusion flag on (off by default in XLA).
+
+Timing is scripts/bench_kernels.py's: device time per call summed from a profiler trace over a
+batch of calls rotating 3 input sets (different weights and routing, so the L2 cannot serve the
+next call's weights), the wall time beside it. Bytes are what a perfect kernel must move: the
+weights (and scales) of the experts that received rows, the lhs and the output; flops are
+2 M K N over the real rows. `roof%` is max(bytes / copy bandwidth, flops / matmul rate), both
+measured in the same run, over the time. Prints a table last and writes JSON to --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from bench_kernels import Results, measure_ceilings, time_fn
+from pallas_kernels.grouped_matmul import GpuTiling, QuantizedExperts, dequantize, quantize_experts
+from pallas_kernels.grouped_matmul import gpu as gmm_gpu
+from pallas_kernels.grouped_matmul import tuning
+
+QWEN3_MOE = dict(experts=128, top_k=8, shapes={"gate_up": (2048, 768), "down": (768, 2048)})
+SMOKE = dict(experts=8, top_k=2, shapes={"gate_up": (256, 128), "down": (128, 256)})
+DECODE_TOKENS, PREFILL_TOKENS = (1, 8, 64, 256), (4096,)
+NUM_SETS = 3
+
+# Alternatives timed beside the tuned tiling; each is skipped if it does not fit the shape.
+DECODE_VARIANTS = {
+    "cols tn=128": dict(tile_n=128),
+    "cols k_splits=1": dict(k_splits=1),
+    "cols stages=3": dict(stages=3),
+}
+PREFILL_VARIANTS = {
+    "rows 64x256": dict(tile_m=64, tile_n=256, stages=3),
+    "rows 128x128 tk=128 s2": dict(tile_m=128, tile_n=128, tile_k=128, stages=2),
+    "rows 64x128": dict(tile_m=64, tile_n=128),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    shape: str  # "gate_up" | "down"
+    tokens: int
+    weights: str  # "bf16" | "int8" | "fp8"
+    k: int
+    n: int
+    experts: int
+    top_k: int
+
+    @property
+    def rows(self) -> int:
+        return self.tokens * self.top_k
+
+    @property
+    def section(self) -> str:
+        phase = "prefill" if self.rows > 48 * self.experts else "decode"  # tuning.GPU_TABLE's split
+        return f"{self.shape} {phase} T={self.tokens} {self.weights}"
+
+
+def routed_sizes(rng, case: Case) -> np.ndarray:
+    """group_sizes [E] of random balanced top-k routing of case.tokens tokens."""
+    picks = np.argsort(rng.random((case.tokens, case.experts)), axis=1)[:, :case.top_k]
+    return np.bincount(picks.ravel(), minlength=case.experts).astype(np.int32)
+
+
+def make_sets(case: Case, seed: int = 0):
+    """NUM_SETS of (lhs, rhs in the case's format, bf16 rhs [E, K, N], group_sizes)."""
+    rng = np.random.default_rng(seed)
+    sets = []
+    for i in range(NUM_SETS):
+        kx, kw = jax.random.split(jax.random.key(seed * 100 + i))
+        x = jax.random.normal(kx, (case.rows, case.k), jnp.bfloat16)
+        w = jax.random.normal(kw, (case.experts, case.k, case.n), jnp.float32) * case.k ** -0.5
+        if case.weights == "bf16":
+            rhs = w.astype(jnp.bfloat16)
+            dense = rhs
+        else:
+            rhs = quantize_experts(w, fp8=case.weights == "fp8")
+            dense = dequantize(rhs).astype(jnp.bfloat16)
+        del w
+        sets.append((x, rhs, dense, jnp.asarray(routed_sizes(rng, case))))
+    return sets
+
+
+def case_cost(case: Case, sets) -> tuple[float, float]:
+    """Mean bytes a perfect kernel moves (active experts' weights + scales, lhs, out) and flops."""
+    per_weight = 2 if case.weights == "bf16" else 1
+    active = np.mean([int(jnp.sum(gs > 0)) for *_, gs in sets])
+    weight_bytes = active * case.n * (case.k * per_weight + (0 if case.weights == "bf16" else 4))
+    return weight_bytes + case.rows * (case.k + case.n) * 2, 2.0 * case.rows * case.k * case.n
+
+
+def _variant_tilings(case: Case, default: GpuTiling) -> dict[str, GpuTiling]:
+    """The tuned tiling plus the variants that are legal and fit shared memory."""
+    table = DECODE_VARIANTS if default.path == "cols" else PREFILL_VARIANTS
+    wdtype = jnp.bfloat16 if case.weights == "bf16" else jnp.int8
+    out = {f"ours {default.path} (tuned)": default}
+    for name, change in table.items():
+        t = dataclasses.replace(default, **change)
+        if t.path == "rows" and t.tile_m % 64:
+            continue
+        try:
+            gmm_gpu.check_tiling(t, case.k, case.n)
+        except ValueError:
+            continue
+        if gmm_gpu.smem_bytes(t, jnp.bfloat16, wdtype, jnp.bfloat16) <= tuning.SMEM_BUDGET and t != default:
+            out[f"ours {name}"] = t
+    return out
+
+
+def bench_case(res: Results, case: Case, *, variants: bool, interpret: bool, timing: dict,
+               baseline_only: bool = False):
+    sets = make_sets(case)
+    bytes_moved, flops = case_cost(case, sets)
+    measure = dict(bytes_moved=bytes_moved, flops=flops)
+    sec = case.section
+    default = gmm_gpu.choose_tiling(case.rows, case.k, case.n, case.experts, jnp.bfloat16,
+                                    jnp.bfloat16 if case.weights == "bf16" else jnp.int8, jnp.bfloat16)
+    tilings = _variant_tilings(case, default) if variants else {f"ours {default.path} (tuned)": default}
+    if baseline_only:
+        tilings = {}
+    ragged = jax.jit(lambda x, w, gs: jax.lax.ragged_dot(x, w, gs))
+    for name, tiling in tilings.items():
+        fn = jax.jit(lambda x, w, gs, t=tiling: gmm_gpu.grouped_matmul(x, w, gs, tiling=t,
+                                                                        interpret=interpret))
+        res.run(sec, name, lambda fn=fn, name=name, tiling=tiling: _time_ours(
+            res, sec, name, tiling, fn, ragged, sets, measure, timing))
+    res.run(sec, "ragged_dot", lambda: res.add(
+        sec, "XLA ragged_dot (bf16 weights)", time_fn(ragged, [(x, d, gs) for x, _, d, gs in sets], **timing),
+        **measure))
+    if case.weights != "bf16":
+        deq = jax.jit(lambda x, wq, gs: jax.lax.ragged_dot(x, dequantize(wq).astype(x.dtype), gs))
+        res.run(sec, "dequant+ragged_dot", lambda: res.add(
+            sec, "XLA dequantize + ragged_dot", time_fn(deq, [(x, r, gs) for x, r, _, gs in sets], **timing),
+            **measure))
+
+
+def _time_ours(res, sec, name, tiling, fn, ragged, sets, measure, timing):
+    x, rhs, dense, gs = sets[0]
+    got, want = fn(x, rhs, gs).astype(jnp.float32), ragged(x, dense, gs).astype(jnp.float32)
+    rel = float(jnp.linalg.norm(got - want) / jnp.maximum(jnp.linalg.norm(want), 1e-30))
+    res.add(sec, name, time_fn(fn, [(x, r, g) for x, r, _, g in sets], **timing), **measure)
+    res.rows[-1].update(tiling=dataclasses.asdict(tiling), rel_err_vs_xla=rel)
+    if rel > 2e-2:
+        res.errors[f"{sec}/{name}"] = f"relative error {rel:.3g} against XLA ragged_dot"
+
+
+def ragged_dot_fusion_rows(args) -> list[dict]:
+    """ragged_dot with XLA's cuDNN ragged-dot fusion flag, timed in a fresh process (XLA flags
+    are read once at backend start)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "fusion.json")
+        env = dict(os.environ)
+        flag = "--xla_gpu_experimental_use_ragged_dot_fusion=true"
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
+        cmd = [sys.executable, __file__, "--baseline-only", "--out", out, "--shapes", args.shapes,
+               "--tokens", args.tokens, "--weights", "bf16"]
+        done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise RuntimeError(f"fusion baseline failed ({done.returncode}): {done.stderr[-1500:]}")
+        with open(out) as f:
+            rows = json.load(f)["rows"]
+    for r in rows:
+        r["name"] = "XLA ragged_dot, cuDNN fusion flag"
+    return rows
+
+
+def cases(args) -> list[Case]:
+    model = SMOKE if args.smoke else QWEN3_MOE
+    tokens = [int(t) for t in args.tokens.split(",")] if args.tokens else (
+        [1, 256] if args.smoke else [*DECODE_TOKENS, *PREFILL_TOKENS])
+    out = []
+    for shape in args.shapes.split(","):
+        k, n = model["shapes"][shape]
+        for t in tokens:
+            for weights in args.weights.split(","):
+                out.append(Case(shape, t, weights, k, n, model["experts"], model["top_k"]))
+    return out
+
+
+def summary(res: Results) -> list[dict]:
+    """Per case: the tuned kernel, the best variant, ragged_dot and the speedups."""
+    by_case: dict[str, dict[str, dict]] = {}
+    for r in res.rows:
+        if r["section"] != "ceiling":
+            by_case.setdefault(r["section"], {})[r["name"]] = r
+    ceil = res.ceilings
+    out = []
+    for sec, rows in by_case.items():
+        ours = {n: r for n, r in rows.items() if n.startswith("ours")}
+        tuned = next((r for n, r in ours.items() if n.endswith("(tuned)")), None)
+        best = min(ours.values(), key=lambda r: r["us"]) if ours else None
+        base = rows.get("XLA ragged_dot (bf16 weights)")
+        line = dict(case=sec, tuned_us=tuned and tuned["us"], best=best and best["name"],
+                    best_us=best and best["us"], ragged_dot_us=base and base["us"])
+        if tuned and base:
+            line["speedup_tuned"] = base["us"] / tuned["us"]
+        if tuned and "copy_GBps" in ceil and "matmul_TFLOPs" in ceil:
+            t_min = max(tuned.get("GB/s", 0) * tuned["us"] / ceil["copy_GBps"],
+                        tuned.get("TFLOP/s", 0) * tuned["us"] / ceil["matmul_TFLOPs"])
+            line["roof%"] = 100 * t_min / tuned["us"]
+        out.append(line)
+    return out
+
+
+def print_summary(lines: list[dict]):
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)
+    print(f"\n{'case':<34} {'tuned us':>9} {'ragged_dot us':>13} {'speedup':>8} {'roof%':>6}  best variant")
+    for ln in lines:
+        print(f"{ln['case']:<34} {fmt(ln['tuned_us'], '9.1f')} {fmt(ln['ragged_dot_us'], '13.1f')} "
+              f"{fmt(ln.get('speedup_tuned'), '7.2f')}x {fmt(ln.get('roof%'), '6.1f')}  "
+              f"{ln['best']} ({fmt(ln['best_us'], '.1f')} us)")
+    met = [ln for ln in lines if ln.get("speedup_tuned") is not None]
+    if met:
+        low = min(met, key=lambda ln: ln["speedup_tuned"])
+        verdict = "met" if low["speedup_tuned"] >= 1.3 else "NOT met"
+        print(f"target >= 1.3x ragged_dot on every case: {verdict} "
+              f"(lowest {low['speedup_tuned']:.2f}x, {low['case']})")
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="bench_grouped_matmul.json")
+    parser.add_argument("--shapes", default="gate_up,down")
+    parser.add_argument("--tokens", default="", help="comma-separated token counts (rows = tokens x top-k)")
+    parser.add_argument("--weights", default="bf16,int8,fp8")
+    parser.add_argument("--no-variants", action="store_true", help="time only the tuned tiling")
+    parser.add_argument("--no-ceilings", action="store_true")
+    parser.add_argument("--ragged-dot-fusion", action="store_true",
+                        help="also time ragged_dot with XLA's cuDNN fusion flag (subprocess)")
+    parser.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--smoke", action="store_true",
+                        help="CPU check of this script: tiny shapes, interpret mode, no variants")
+    args = parser.parse_args()
+    res = Results()
+    device = jax.devices()[0].device_kind
+    print("device:", device, flush=True)
+    if not (args.no_ceilings or args.smoke or args.baseline_only):
+        measure_ceilings(res)
+    timing = dict(warmup=1, repeats=1, batch=1) if args.smoke else {}
+    for case in cases(args):
+        bench_case(res, case, variants=not (args.no_variants or args.smoke), interpret=args.smoke,
+                   timing=timing, baseline_only=args.baseline_only)
+    if args.ragged_dot_fusion:
+        res.run("baseline", "ragged_dot fusion", lambda: res.rows.extend(ragged_dot_fusion_rows(args)))
+    lines = summary(res)
+    with open(args.out, "w") as f:
+        json.dump(dict(device=device, argv=sys.argv, ceilings=res.ceilings, rows=res.rows,
+                       summary=lines, errors=res.errors), f, indent=1)
+    if args.baseline_only:
+        return
+    print_table(res)
+    print_summary(lines)
+
+
+def print_table(res: Results):
+    """bench_kernels' table, with the relative error of our rows against XLA."""
+    from bench_kernels import print_table as kernels_table
+
+    kernels_table(res)
+    for r in res.rows:
+        if "rel_err_vs_xla" in r:
+            print(f"  rel err vs XLA  {r['section']:<30} {r['name']:<28} {r['rel_err_vs_xla']:.2e}")
+
+
+if __name__ == "__main__":
+    main()
