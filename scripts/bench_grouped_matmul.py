@@ -121,8 +121,10 @@ def _variant_tilings(case: Case, default: GpuTiling) -> dict[str, GpuTiling]:
         t = dataclasses.replace(default, **change)
         if t.path == "rows" and t.tile_m % 64:
             continue
+        if case.weights != "bf16" and t.path == "cols" and t.tile_n * t.tile_k > 16384:
+            t = dataclasses.replace(t, tile_k=16384 // t.tile_n)  # the register weight tile
         try:
-            gmm_gpu.check_tiling(t, case.k, case.n)
+            gmm_gpu.check_tiling(t, case.k, case.n, quantized=case.weights != "bf16")
         except ValueError:
             continue
         if gmm_gpu.smem_bytes(t, jnp.bfloat16, wdtype, jnp.bfloat16) <= tuning.SMEM_BUDGET and t != default:

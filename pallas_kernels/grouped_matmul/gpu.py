@@ -434,10 +434,17 @@ def _check_supported(lhs, rhs) -> None:
         raise NotImplementedError(f"GPU grouped matmul needs K and N multiples of 64, got K={k}, N={n}")
 
 
-def check_tiling(tiling: tuning.GpuTiling, k: int, n: int) -> None:
+_MAX_TILE_REGS = 128  # fp32 accumulator / register-A registers per thread of the warpgroup (of 255)
+
+
+def check_tiling(tiling: tuning.GpuTiling, k: int, n: int, *, quantized: bool = False) -> None:
     """A clear error for a tiling the kernels cannot run."""
     t = tiling
     problems = []
+    if t.tile_m * t.tile_n // 128 > _MAX_TILE_REGS:
+        problems.append(f"the fp32 accumulator needs tile_m * tile_n <= {128 * _MAX_TILE_REGS}")
+    if quantized and t.path == "cols" and t.tile_n * t.tile_k * 2 // (4 * 128) > _MAX_TILE_REGS // 2:
+        problems.append("the cols kernel's register weight tile needs tile_n * tile_k <= 16384")
     if t.path not in ("rows", "cols"):
         problems.append(f"path must be 'rows' or 'cols', got {t.path!r}")
     if t.tile_k % 64 or k % t.tile_k or t.tile_n % 64 or n % t.tile_n:
@@ -466,7 +473,7 @@ def grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array, *, preferred_ele
     quantized = isinstance(rhs, QuantizedExperts)
     w, scales = (rhs.values, rhs.scales) if quantized else (rhs, None)
     tiling = tiling or choose_tiling(m, k, n, num_groups, lhs.dtype, w.dtype, out_dtype)
-    check_tiling(tiling, k, n)
+    check_tiling(tiling, k, n, quantized=quantized)
     mp = -(-m // _ROW_ALIGN) * _ROW_ALIGN  # the row grid of the TMA tiling needs M % 8 == 0
     x = jnp.pad(lhs, ((0, mp - m), (0, 0)))  # [Mp, K]
     gs = group_sizes.astype(jnp.int32)

@@ -246,7 +246,14 @@ def test_gpu_kernel_in_interpret_mode_matches_reference(rng, name):
     m, k, n, spec, quant, out_dtype, tiling = GPU_INTERPRET_CASES[name]
     sizes = _case_sizes(rng, spec)
     x, rhs, gs = _inputs(rng, m, k, n, sizes, jnp.bfloat16, quant)
-    got = gpu.grouped_matmul(x, rhs, gs, preferred_element_type=out_dtype, tiling=tiling, interpret=True)
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+    from jax._src.pallas.mosaic_gpu.interpret import interpret_pallas_call
+
+    # The race detector follows TMA copies, barriers and SMEM accesses (wgmma runs synchronously
+    # in the interpreter, so an early slot release would not show here; see gpu.py).
+    params = plgpu.InterpretGPUParams(detect_races=True)
+    got = gpu.grouped_matmul(x, rhs, gs, preferred_element_type=out_dtype, tiling=tiling, interpret=params)
+    assert not interpret_pallas_call.get_races().races_found
     want = grouped_matmul(x, rhs, gs, impl="reference", preferred_element_type=jnp.float32)
     assert got.dtype == out_dtype
     # f32 out: only the fp32 summation order differs; bf16 out: one rounding of the result.
@@ -284,7 +291,7 @@ def test_gpu_tilings_fit_shared_memory():
             for wdtype in (jnp.bfloat16, jnp.int8, jnp.float8_e4m3fn):
                 for out in (jnp.bfloat16, jnp.float32):
                     t = gpu.choose_tiling(tokens * 8, k, n, QWEN_EXPERTS, jnp.bfloat16, wdtype, out)
-                    gpu.check_tiling(t, k, n)
+                    gpu.check_tiling(t, k, n, quantized=wdtype != jnp.bfloat16)
                     assert gpu.smem_bytes(t, jnp.bfloat16, wdtype, out) <= tuning.SMEM_BUDGET, t
                     assert (t.path == "cols") == (tokens <= 256), t
 
@@ -294,6 +301,10 @@ def test_gpu_bad_tiling_is_rejected():
                   jnp.zeros((2,), jnp.int32))
     with pytest.raises(ValueError, match="wgmma M"):
         gpu.grouped_matmul(x, rhs, gs, tiling=GpuTiling("rows", 32, 64, 64, 2))
+    with pytest.raises(ValueError, match="fp32 accumulator"):
+        gpu.check_tiling(GpuTiling("rows", 128, 256, 64, 2), 128, 256)
+    with pytest.raises(ValueError, match="register weight tile"):
+        gpu.check_tiling(GpuTiling("cols", 8, 128, 256, 2), 256, 128, quantized=True)
     with pytest.raises(NotImplementedError, match="bf16/f16 lhs"):
         gpu.grouped_matmul(x.astype(jnp.float32), rhs, gs)
 
