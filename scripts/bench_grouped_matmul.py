@@ -11,8 +11,9 @@ bf16 weights and int8 / fp8 QuantizedExperts (bf16 activations throughout).
 Each case times our Pallas GPU kernel (the tuned tiling, then a few alternative tilings so the
 table in pallas_kernels/grouped_matmul/tuning.py can be corrected from the numbers), XLA's
 `jax.lax.ragged_dot` on the bf16 weights, and for quantized weights XLA's dequantize + ragged_dot
-in one jit. `--ragged-dot-fusion` also times ragged_dot in a subprocess with XLA's cuDNN
-ragged-dot fusion flag on (off by default in XLA).
+in one jit. `--ragged-dot-flags` also times bf16 ragged_dot in subprocesses with XLA's cuDNN
+ragged-dot fusion flag explicitly off (a dense dot over all experts) and on (cuDNN's grouped GEMM;
+the default in recent XLA where cuDNN >= 9.22), so the table says which one "ragged_dot" was.
 
 Timing is scripts/bench_kernels.py's: device time per call summed from a profiler trace over a
 batch of calls rotating 3 input sets (different weights and routing, so the L2 cannot serve the
@@ -163,29 +164,50 @@ def _time_ours(res, sec, name, tiling, fn, ragged, sets, measure, timing):
     x, rhs, dense, gs = sets[0]
     got, want = fn(x, rhs, gs).astype(jnp.float32), ragged(x, dense, gs).astype(jnp.float32)
     rel = float(jnp.linalg.norm(got - want) / jnp.maximum(jnp.linalg.norm(want), 1e-30))
-    res.add(sec, name, time_fn(fn, [(x, r, g) for x, r, _, g in sets], **timing), **measure)
-    res.rows[-1].update(tiling=dataclasses.asdict(tiling), rel_err_vs_xla=rel)
+    arg_sets = [(x, r, g) for x, r, _, g in sets]
+    res.add(sec, name, time_fn(fn, arg_sets, **timing), **measure)
+    res.rows[-1].update(tiling=dataclasses.asdict(tiling), rel_err_vs_xla=rel,
+                        spans_us=device_breakdown(fn, arg_sets))
     if rel > 2e-2:
         res.errors[f"{sec}/{name}"] = f"relative error {rel:.3g} against XLA ragged_dot"
 
 
-def ragged_dot_fusion_rows(args) -> list[dict]:
-    """ragged_dot with XLA's cuDNN ragged-dot fusion flag, timed in a fresh process (XLA flags
-    are read once at backend start)."""
+def device_breakdown(fn, arg_sets, calls: int = 6) -> dict[str, float]:
+    """Device time per call of each kernel in one traced batch (our Mosaic kernel vs the wrapper's
+    XLA ops: the work-item table, padding, the cols gather), the 8 largest."""
+    from jaxinfer.bench.measure import device_spans
+
+    def run():
+        out = None
+        for i in range(calls):
+            out = fn(*arg_sets[i % len(arg_sets)])
+        return out
+
+    source, spans = device_spans(run)
+    if source != "device":
+        return {}
+    top = sorted(spans.items(), key=lambda kv: -kv[1])[:8]
+    return {name[:100]: ms * 1e3 / calls for name, ms in top}
+
+
+def ragged_dot_flag_rows(args, fusion: bool) -> list[dict]:
+    """bf16 ragged_dot with XLA's cuDNN ragged-dot fusion flag set explicitly, timed in a fresh
+    process (XLA reads its flags once, at backend start). Recent XLA turns the flag on by default
+    where cuDNN >= 9.22; before that ragged_dot was rewritten to a dense dot over all experts."""
     with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "fusion.json")
+        out = os.path.join(tmp, "baseline.json")
         env = dict(os.environ)
-        flag = "--xla_gpu_experimental_use_ragged_dot_fusion=true"
+        flag = f"--xla_gpu_experimental_use_ragged_dot_fusion={str(fusion).lower()}"
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} {flag}".strip()
         cmd = [sys.executable, __file__, "--baseline-only", "--out", out, "--shapes", args.shapes,
-               "--tokens", args.tokens, "--weights", "bf16"]
+               "--tokens", args.tokens, "--weights", "bf16", *(["--smoke"] if args.smoke else [])]
         done = subprocess.run(cmd, env=env, capture_output=True, text=True)
         if done.returncode:
-            raise RuntimeError(f"fusion baseline failed ({done.returncode}): {done.stderr[-1500:]}")
+            raise RuntimeError(f"{flag} baseline failed ({done.returncode}): {done.stderr[-1500:]}")
         with open(out) as f:
             rows = json.load(f)["rows"]
     for r in rows:
-        r["name"] = "XLA ragged_dot, cuDNN fusion flag"
+        r["name"] = f"XLA ragged_dot, {flag.lstrip('-')}"
     return rows
 
 
@@ -215,10 +237,16 @@ def summary(res: Results) -> list[dict]:
         tuned = next((r for n, r in ours.items() if n.endswith("(tuned)")), None)
         best = min(ours.values(), key=lambda r: r["us"]) if ours else None
         base = rows.get("XLA ragged_dot (bf16 weights)")
+        # With --ragged-dot-flags the section also holds ragged_dot under each flag setting.
+        fastest = min((r for n, r in rows.items() if n.startswith("XLA ragged_dot")),
+                      key=lambda r: r["us"], default=None)
         line = dict(case=sec, tuned_us=tuned and tuned["us"], best=best and best["name"],
-                    best_us=best and best["us"], ragged_dot_us=base and base["us"])
+                    best_us=best and best["us"], ragged_dot_us=base and base["us"],
+                    fastest_ragged_dot=fastest and fastest["name"])
         if tuned and base:
             line["speedup_tuned"] = base["us"] / tuned["us"]
+        if tuned and fastest:
+            line["speedup_vs_fastest_ragged_dot"] = fastest["us"] / tuned["us"]
         if tuned and "copy_GBps" in ceil and "matmul_TFLOPs" in ceil:
             t_min = max(tuned.get("GB/s", 0) * tuned["us"] / ceil["copy_GBps"],
                         tuned.get("TFLOP/s", 0) * tuned["us"] / ceil["matmul_TFLOPs"])
@@ -229,11 +257,12 @@ def summary(res: Results) -> list[dict]:
 
 def print_summary(lines: list[dict]):
     fmt = lambda v, spec: "-" if v is None else format(v, spec)
-    print(f"\n{'case':<34} {'tuned us':>9} {'ragged_dot us':>13} {'speedup':>8} {'roof%':>6}  best variant")
+    print(f"\n{'case':<34} {'tuned us':>9} {'ragged_dot us':>13} {'speedup':>8} {'vs fastest':>10} "
+          f"{'roof%':>6}  best variant")
     for ln in lines:
         print(f"{ln['case']:<34} {fmt(ln['tuned_us'], '9.1f')} {fmt(ln['ragged_dot_us'], '13.1f')} "
-              f"{fmt(ln.get('speedup_tuned'), '7.2f')}x {fmt(ln.get('roof%'), '6.1f')}  "
-              f"{ln['best']} ({fmt(ln['best_us'], '.1f')} us)")
+              f"{fmt(ln.get('speedup_tuned'), '7.2f')}x {fmt(ln.get('speedup_vs_fastest_ragged_dot'), '9.2f')}x "
+              f"{fmt(ln.get('roof%'), '6.1f')}  {ln['best']} ({fmt(ln['best_us'], '.1f')} us)")
     met = [ln for ln in lines if ln.get("speedup_tuned") is not None]
     if met:
         low = min(met, key=lambda ln: ln["speedup_tuned"])
@@ -250,8 +279,8 @@ def main():
     parser.add_argument("--weights", default="bf16,int8,fp8")
     parser.add_argument("--no-variants", action="store_true", help="time only the tuned tiling")
     parser.add_argument("--no-ceilings", action="store_true")
-    parser.add_argument("--ragged-dot-fusion", action="store_true",
-                        help="also time ragged_dot with XLA's cuDNN fusion flag (subprocess)")
+    parser.add_argument("--ragged-dot-flags", action="store_true",
+                        help="also time bf16 ragged_dot with XLA's cuDNN fusion flag off and on (subprocesses)")
     parser.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true",
                         help="CPU check of this script: tiny shapes, interpret mode, no variants")
@@ -265,8 +294,10 @@ def main():
     for case in cases(args):
         bench_case(res, case, variants=not (args.no_variants or args.smoke), interpret=args.smoke,
                    timing=timing, baseline_only=args.baseline_only)
-    if args.ragged_dot_fusion:
-        res.run("baseline", "ragged_dot fusion", lambda: res.rows.extend(ragged_dot_fusion_rows(args)))
+    if args.ragged_dot_flags:
+        for fusion in (False, True):
+            res.run("baseline", f"fusion={fusion}",
+                    lambda fusion=fusion: res.rows.extend(ragged_dot_flag_rows(args, fusion)))
     lines = summary(res)
     with open(args.out, "w") as f:
         json.dump(dict(device=device, argv=sys.argv, ceilings=res.ceilings, rows=res.rows,
@@ -284,7 +315,10 @@ def print_table(res: Results):
     kernels_table(res)
     for r in res.rows:
         if "rel_err_vs_xla" in r:
-            print(f"  rel err vs XLA  {r['section']:<30} {r['name']:<28} {r['rel_err_vs_xla']:.2e}")
+            spans = r.get("spans_us") or {}
+            top = ", ".join(f"{k[:40]} {v:.1f}" for k, v in list(spans.items())[:3])
+            print(f"  {r['section']:<30} {r['name']:<28} rel err vs XLA {r['rel_err_vs_xla']:.2e}  "
+                  f"device us/call: {top}")
 
 
 if __name__ == "__main__":
