@@ -54,6 +54,8 @@ DECODE_VARIANTS = {
     "cols stages=3": dict(stages=3),
 }
 PREFILL_VARIANTS = {
+    "rows_ws 128x256 s3": dict(path="rows_ws", tile_m=128, tile_n=256, tile_k=64, stages=3),
+    "rows_ws 128x128 s4": dict(path="rows_ws", tile_m=128, tile_n=128, tile_k=64, stages=4),
     "rows 64x256": dict(tile_m=64, tile_n=256, stages=3),
     "rows 128x128 tk=128 s2": dict(tile_m=128, tile_n=128, tile_k=128, stages=2),
     "rows 64x128": dict(tile_m=64, tile_n=128),

@@ -27,14 +27,19 @@ Work decomposition (docs/KERNELS.md has the reasoning):
     hi - lo) from an unswizzled SMEM tile, so neighbouring groups' rows are never touched. The
     rows past sum(group_sizes) are covered by items of a pseudo-group (-1) that store zeros, so
     the output needs no memset.
+  - "rows_ws" (prefill, 16-bit weights): the rows kernel warp-specialized like JAX's Hopper
+    matmul: a memory warpgroup issues the TMA copies, two compute warpgroups each own half of a
+    `tile_m` (128) row tile against a `tile_n` (up to 256) weight tile, so a CTA tile can be
+    128 x 256 (register limit: 64 x 256 fp32 per warpgroup) and the copies never wait behind a
+    wgmma issue. Not in the table yet: the bench times it beside "rows".
 * Weights: bf16/f16 `[G, K, N]` tiles go to the tensor cores straight from shared memory (the
   cols kernel reads the `[tile_k, tile_n]` tile transposed, an M-major A operand). Quantized
   experts (int8 / e4m3 `[G, N, K]`) are converted to the activation dtype in registers (exact),
   then fed as the register A operand (cols, the quantized_matmul pattern) or stored to a
   double-buffered SMEM staging tile as the K-major B operand (rows). Per-channel scales multiply
   the fp32 accumulator once.
-* One warpgroup per CTA. `emit_pipeline` keeps `stages` tiles in flight; SMEM-operand steps leave
-  one wgmma in flight (`delay_release=1`, `wgmma_wait(1)`).
+* One warpgroup per CTA (except rows_ws). `emit_pipeline` keeps `stages` tiles in flight;
+  SMEM-operand steps leave one wgmma in flight (`delay_release=1`, `wgmma_wait(1)`).
 * Interpret mode (CPU): the interpreter's wgmma reads only SMEM operands, so with interpret=True
   the cols kernel stages dequantized weights through SMEM like the rows kernel does. Everything
   else is the same code.
@@ -359,6 +364,56 @@ def _rows_kernel(meta_ref, x_gmem, w_gmem, *refs, tiling, quantized):
         _store_rows(o_smem, o_gmem, row0, lo, hi, ni * tn)
 
 
+def _rows_ws_kernel(meta_ref, x_gmem, w_gmem, o_gmem, o_smem, *, tiling):
+    # Warp-specialized rows kernel (16-bit weights): warpgroups 0 and 1 each compute half of the
+    # item's rows, acc [tile_m / 2, tile_n], from the same SMEM tiles; warpgroup 2 only issues the
+    # TMA copies (emit_pipeline_warp_specialized). o_smem [tile_m, tile_n]: each compute
+    # warpgroup writes and stores its own half, so no CTA-wide barrier is needed.
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    wi, ni, wg = (jax.lax.axis_index(a) for a in ("w", "n", "wg"))
+    group, row0, lo, hi = _item(meta_ref, wi)
+    tm, tn, tk = tiling.tile_m, tiling.tile_n, tiling.tile_k
+    half = tm // 2
+    k_steps = x_gmem.shape[1] // tk
+    lag = min(1, k_steps - 1)
+    mine = pl.ds(wg * half, half)  # this compute warpgroup's rows of the tile
+
+    @pl.when((hi > lo) & (group >= 0))
+    def _():
+        def compute_context(eval_pipeline):
+            def acc_scope(acc_ref):
+                eval_pipeline(acc_ref)
+                o_smem.at[mine][...] = acc_ref[...].astype(o_smem.dtype)  # [half, tn]
+
+            pl.run_scoped(acc_scope, plgpu.ACC((half, tn), jnp.float32))
+
+        def step(_, x_smem, w_smem, acc_ref):
+            plgpu.wgmma(acc_ref, x_smem.at[mine], w_smem)  # [half, tk] @ [tk, tn]
+            plgpu.wgmma_wait(lag)
+            return acc_ref
+
+        w_spec = plgpu.BlockSpec((tk, tn), lambda k: (k, ni), transforms=_transforms(w_gmem.dtype, tn),
+                                 delay_release=lag)
+        plgpu.emit_pipeline_warp_specialized(
+            step, grid=(k_steps,), memory_registers=40, wg_axis="wg", num_compute_wgs=2,
+            in_specs=[_lhs_spec(tm, tk, row0, 0, x_gmem.dtype, delay_release=lag), w_spec],
+            max_concurrent_steps=tiling.stages, compute_context=compute_context,
+        )(x_gmem, w_gmem.at[group])
+
+    @pl.when((hi > lo) & (group < 0) & (wg < 2))
+    def _():
+        o_smem.at[mine][...] = jnp.zeros((half, tn), o_smem.dtype)  # rows past sum(group_sizes)
+
+    @pl.when((hi > lo) & (wg < 2))
+    def _():
+        plgpu.commit_smem()
+        first = row0 + wg * half
+        _store_rows(o_smem.at[mine], o_gmem, first, jnp.clip(lo, first, first + half),
+                    jnp.clip(hi, first, first + half), ni * tn)
+
+
 def _run_rows(x, w, scales, group_sizes, out_dtype, tiling, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -374,10 +429,15 @@ def _run_rows(x, w, scales, group_sizes, out_dtype, tiling, interpret):
         operands.append(scales)
         scratch += [plgpu.SMEM((2, tn, tk), x.dtype, transforms=_transforms(x.dtype, tk)),
                     plgpu.SMEM((tn,), jnp.float32), plgpu.Barrier(num_arrivals=1)]
+    if tiling.path == "rows_ws":
+        body = functools.partial(_rows_ws_kernel, tiling=tiling)
+        threads = dict(num_threads=3, thread_name="wg")  # 2 compute + 1 memory warpgroup
+    else:
+        body = functools.partial(_rows_kernel, tiling=tiling, quantized=quantized)
+        threads = {}
     return plgpu.kernel(
-        functools.partial(_rows_kernel, tiling=tiling, quantized=quantized),
-        out_type=jax.ShapeDtypeStruct((mp, n), out_dtype), scratch_types=scratch,
-        grid=(num_items, n // tn), grid_names=("w", "n"),
+        body, out_type=jax.ShapeDtypeStruct((mp, n), out_dtype), scratch_types=scratch,
+        grid=(num_items, n // tn), grid_names=("w", "n"), **threads,
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(interpret),
     )(*operands)
@@ -408,6 +468,8 @@ def choose_tiling(m: int, k: int, n: int, num_groups: int, x_dtype, w_dtype, out
             tiling = dataclasses.replace(tiling, tile_k=tiling.tile_k // 2)
         elif tiling.stages > 2:
             tiling = dataclasses.replace(tiling, stages=tiling.stages - 1)
+        elif tiling.tile_n > 64:
+            tiling = dataclasses.replace(tiling, tile_n=tiling.tile_n // 2)
         else:
             break
     return tiling
@@ -441,16 +503,21 @@ def check_tiling(tiling: tuning.GpuTiling, k: int, n: int, *, quantized: bool = 
     """A clear error for a tiling the kernels cannot run."""
     t = tiling
     problems = []
-    if t.tile_m * t.tile_n // 128 > _MAX_TILE_REGS:
-        problems.append(f"the fp32 accumulator needs tile_m * tile_n <= {128 * _MAX_TILE_REGS}")
+    rows_per_wg = t.tile_m // 2 if t.path == "rows_ws" else t.tile_m
+    if rows_per_wg * t.tile_n // 128 > _MAX_TILE_REGS:
+        problems.append(f"the fp32 accumulator needs tile_m * tile_n <= {128 * _MAX_TILE_REGS} "
+                        "per compute warpgroup")
     if quantized and t.path == "cols" and t.tile_n * t.tile_k * 2 // (4 * 128) > _MAX_TILE_REGS // 2:
         problems.append("the cols kernel's register weight tile needs tile_n * tile_k <= 16384")
-    if t.path not in ("rows", "cols"):
-        problems.append(f"path must be 'rows' or 'cols', got {t.path!r}")
+    if t.path not in ("rows", "rows_ws", "cols"):
+        problems.append(f"path must be 'rows', 'rows_ws' or 'cols', got {t.path!r}")
     if t.tile_k % 64 or k % t.tile_k or t.tile_n % 64 or n % t.tile_n:
         problems.append(f"tile_k and tile_n must be multiples of 64 dividing K={k} and N={n}")
     if t.path == "rows" and (t.tile_m % 64 or t.tile_n > 256):
         problems.append("the rows kernel needs tile_m a multiple of 64 (wgmma M) and tile_n <= 256")
+    if t.path == "rows_ws" and (t.tile_m % 128 or t.tile_n > 256 or quantized):
+        problems.append("the rows_ws kernel takes 16-bit weights, tile_m a multiple of 128 (two "
+                        "warpgroups of wgmma M) and tile_n <= 256")
     if t.path == "cols" and (t.tile_m % 8 or t.tile_m > 256):
         problems.append("the cols kernel needs tile_m a multiple of 8 and <= 256 (wgmma N)")
     if t.k_splits and (k // t.tile_k) % t.k_splits:

@@ -28,10 +28,11 @@ SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper CTA may use; Mosaic's barrier
 
 @dataclasses.dataclass(frozen=True)
 class GpuTiling:
-    """One GPU kernel configuration. path: "cols" (decode, weights are wgmma M) or "rows"."""
+    """One GPU kernel configuration. path: "cols" (decode, weights are wgmma M), "rows", or
+    "rows_ws" (rows with a memory warpgroup and two compute warpgroups; 16-bit weights)."""
 
     path: str
-    tile_m: int  # rows of lhs per work item (cols: wgmma N, multiple of 8; rows: 64 or 128)
+    tile_m: int  # rows of lhs per work item (cols: wgmma N, multiple of 8; rows: 64 or 128; rows_ws: 128)
     tile_n: int  # output channels per CTA (cols: 64 or 128; rows: 64..256)
     tile_k: int  # K per pipeline step
     stages: int  # pipeline depth (emit_pipeline max_concurrent_steps)

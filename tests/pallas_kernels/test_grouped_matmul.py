@@ -238,6 +238,7 @@ GPU_INTERPRET_CASES = {
     "cols_bf16_split_k": (44, 256, 128, (40, 6, 2), None, jnp.float32,
                           GpuTiling("cols", 16, 64, 64, 2, k_splits=2)),
     "cols_fp8": (21, 256, 128, [3, 0, 9, 1, 8], "fp8", jnp.bfloat16, GpuTiling("cols", 8, 64, 128, 2)),
+    "rows_ws_bf16": (300, 256, 256, (280, 5, 1), None, jnp.bfloat16, GpuTiling("rows_ws", 128, 128, 64, 3)),
 }
 
 
@@ -260,28 +261,32 @@ def test_gpu_kernel_in_interpret_mode_matches_reference(rng, name):
     _check_rows(got, want, sizes, 1e-5 if out_dtype == jnp.float32 else 4e-3)
 
 
-def _abstract_call(m, k, n, weights):
+def _abstract_call(m, k, n, weights, groups=QWEN_EXPERTS):
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
     if weights == "bf16":
-        rhs = jax.ShapeDtypeStruct((QWEN_EXPERTS, k, n), jnp.bfloat16)
+        rhs = jax.ShapeDtypeStruct((groups, k, n), jnp.bfloat16)
     else:
         dtype = jnp.int8 if weights == "int8" else jnp.float8_e4m3fn
-        rhs = QuantizedExperts(jax.ShapeDtypeStruct((QWEN_EXPERTS, n, k), dtype),
-                               jax.ShapeDtypeStruct((QWEN_EXPERTS, n), jnp.float32))
-    return x, rhs, jax.ShapeDtypeStruct((QWEN_EXPERTS,), jnp.int32)
+        rhs = QuantizedExperts(jax.ShapeDtypeStruct((groups, n, k), dtype),
+                               jax.ShapeDtypeStruct((groups, n), jnp.float32))
+    return x, rhs, jax.ShapeDtypeStruct((groups,), jnp.int32)
 
 
 @pytest.mark.parametrize("tokens, weights, shape", [
     (1, "bf16", "gate_up"), (256, "bf16", "down"), (4096, "bf16", "gate_up"),
     (8, "int8", "down"), (64, "fp8", "gate_up"), (4096, "int8", "down"), (4096, "fp8", "gate_up"),
+    (4096, "bf16 rows_ws", "down"),
 ])
 def test_gpu_kernel_lowers_for_cuda_at_qwen3_moe_shapes(tokens, weights, shape):
     """Mosaic GPU's Python passes (layout inference, transforms, TMA and wgmma checks, the 227 KB
     shared-memory limit) run at lowering time, so lowering for CUDA on a CPU-only machine catches
     everything short of ptxas and the hardware itself."""
     k, n = QWEN_SHAPES[shape]
+    weights, _, path = weights.partition(" ")
+    tiling = GpuTiling(path, 128, 256, 64, 3) if path else None
     args = _abstract_call(tokens * 8, k, n, weights)
-    lowered = jax.jit(gpu.grouped_matmul).trace(*args).lower(lowering_platforms=("cuda",))
+    call = lambda x, w, gs: gpu.grouped_matmul(x, w, gs, tiling=tiling)
+    lowered = jax.jit(call).trace(*args).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
 
@@ -319,6 +324,16 @@ def _routed_sizes(rng, tokens: int, experts: int = QWEN_EXPERTS, top_k: int = 8)
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("shape", ["gate_up", "down"])
+def test_gpu_rows_ws_matches_reference_at_qwen3_prefill(rng, shape):
+    k, n = QWEN_SHAPES[shape]
+    sizes = _routed_sizes(rng, 4096)
+    x, rhs, gs = _inputs(rng, 4096 * 8, k, n, sizes, jnp.bfloat16)
+    got = gpu.grouped_matmul(x, rhs, gs, tiling=GpuTiling("rows_ws", 128, 256, 64, 3))
+    _check_rows(got, grouped_matmul(x, rhs, gs, impl="reference"), sizes, 1e-2)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 8, 64, 256, 2048])
 @pytest.mark.parametrize("weights", [None, "int8", "fp8"])
 @pytest.mark.parametrize("shape", ["gate_up", "down"])
@@ -342,7 +357,20 @@ GPU_EDGE_CASES = {  # (M, K, N, sizes spec, quant, tiling or None)
     "cols_tile_n_128_bf16": (150, 1024, 256, (140, 20, 6), None, GpuTiling("cols", 32, 128, 128, 3)),
     "cols_tile_m_64_fp8": (200, 512, 128, (200, 4, 0), "fp8", GpuTiling("cols", 64, 64, 128, 4)),
     "cols_one_step": (40, 64, 64, (40, 3, 0), None, GpuTiling("cols", 8, 64, 64, 2)),
+    "rows_ws_128x256": (2000, 1024, 512, (1900, 24, 6), None, GpuTiling("rows_ws", 128, 256, 64, 3)),
+    "rows_ws_f32_out": (1001, 512, 256, (990, 10, 2), None, GpuTiling("rows_ws", 128, 128, 64, 4)),
+    "rows_ws_one_step": (260, 64, 128, (250, 4, 0), None, GpuTiling("rows_ws", 128, 128, 64, 2)),
 }
+
+
+@pytest.mark.parametrize("name", list(GPU_EDGE_CASES))
+def test_gpu_edge_cases_lower_for_cuda(name):
+    """The real-GPU cases below, lowered on CPU (so a layout or SMEM error shows up in CI)."""
+    m, k, n, _, quant, tiling = GPU_EDGE_CASES[name]
+    out_dtype = jnp.float32 if name.endswith("f32_out") else jnp.bfloat16
+    x, rhs, gs = _abstract_call(m, k, n, quant or "bf16", groups=4)
+    call = lambda x, w, gs: gpu.grouped_matmul(x, w, gs, tiling=tiling, preferred_element_type=out_dtype)
+    jax.jit(call).trace(x, rhs, gs).lower(lowering_platforms=("cuda",))
 
 
 @pytest.mark.gpu
@@ -366,5 +394,6 @@ def test_gpu_rows_and_cols_agree_on_the_same_call(rng):
     x, rhs, gs = _inputs(rng, 512, 2048, 768, sizes, jnp.bfloat16)
     cols = gpu.grouped_matmul(x, rhs, gs, tiling=GpuTiling("cols", 16, 64, 128, 4))
     rows = gpu.grouped_matmul(x, rhs, gs, tiling=GpuTiling("rows", 64, 128, 64, 4))
+    rows_ws = gpu.grouped_matmul(x, rhs, gs, tiling=GpuTiling("rows_ws", 128, 256, 64, 3))
     auto = grouped_matmul(x, rhs, gs)
-    assert _rel(cols, rows) < 1e-2 and _rel(auto, cols) < 1e-2
+    assert _rel(cols, rows) < 1e-2 and _rel(rows_ws, rows) < 1e-2 and _rel(auto, cols) < 1e-2
