@@ -14,13 +14,15 @@ Work decomposition (docs/KERNELS.md has the reasoning):
   the grid line instead of reading them (the ragged paged attention bug in KERNELS.md). The rows
   of a neighbouring group that share the tile are computed and thrown away (the `lo`/`hi` mask).
   Tiles running past the last row are zero-filled by the TMA.
-* Two kernels share the table, picked by `tuning.GpuTiling.path`:
+* Three kernels share the table, picked by `tuning.GpuTiling.path`:
   - "cols" (decode: a few rows per expert, bound by reading weights): `acc^T [tile_n, tile_m] =
     W^T [tile_n, K] @ x^T [K, tile_m]`. 64 (or 128) output channels are the wgmma M side, the
     item's rows the narrow N side (8..64), so each active expert's weights stream from HBM once per
     output tile and the tensor cores never see 56 padding rows. grid (items, K splits, N tiles).
-    The fp32 partials go to a tile-major buffer `[splits, W, N, tile_m]`; the wrapper sums splits,
-    gathers the rows back to `[M, N]` and applies per-channel scales (a few MB next to the weights).
+    Each CTA writes its (scaled) tile to a tile-major buffer `[splits, W, N, tile_m]` (the output
+    dtype with one split, fp32 partials otherwise); the wrapper sums splits and gathers the rows
+    back to `[M, N]` (a few MB next to the weights). A TMA store cannot transpose, and a
+    transposed output tile would overlap the neighbouring groups' rows, hence the gather.
   - "rows" (prefill, compute bound): `acc [tile_m, tile_n] = x [tile_m, K] @ W [K, tile_n]`, one
     output block of one item per CTA, grid (items, N tiles). The block is written straight to
     `out [M, N]`: rows [lo, hi) only, with a ladder of TMA stores of 2^b rows (one per set bit of
@@ -193,24 +195,35 @@ def _cols_pipeline(acc_ref, x_gmem, w_gmem, stage_smem, *, row0, ni, k0, k_steps
     return acc_ref[...]
 
 
-def _cols_kernel(meta_ref, x_gmem, w_gmem, o_gmem, o_smem, *stage, tiling, k_steps, quantized,
-                 a_in_registers):
+def _cols_kernel(meta_ref, x_gmem, w_gmem, *refs, tiling, k_steps, quantized, a_in_registers):
     # meta_ref [4, W] i32; x_gmem [Mp, K]; w_gmem [G, K, N] (16-bit) or [G, N, K] (8-bit values);
-    # o_gmem [splits, W, N, tile_m] f32 partials (transposed); o_smem [tile_n, tile_m] f32.
+    # quantized: s_gmem [G, N] f32. o_gmem [splits, W, N, tile_m] partials (transposed; the output
+    # dtype when there is one split, else f32); o_smem [tile_n, tile_m] of that dtype;
+    # quantized: s_smem [tile_n] f32, s_barrier, and in interpret mode the staging tile.
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    if quantized:
+        s_gmem, o_gmem, o_smem, s_smem, s_barrier, *stage = refs
+    else:
+        (o_gmem, o_smem), stage = refs, ()
     wi, ks, ni = (jax.lax.axis_index(a) for a in ("w", "k", "n"))
     group, row0, lo, hi = _item(meta_ref, wi)
-    tn = tiling.tile_n
+    tm, tn = tiling.tile_m, tiling.tile_n
 
     @pl.when((hi > lo) & (group >= 0))
     def _():
+        if quantized:
+            plgpu.copy_gmem_to_smem(s_gmem.at[group, pl.ds(ni * tn, tn)], s_smem, s_barrier)
         pipeline = functools.partial(
             _cols_pipeline, x_gmem=x_gmem, w_gmem=w_gmem.at[group], stage_smem=stage[0] if stage else None,
             row0=row0, ni=ni, k0=ks * k_steps, k_steps=k_steps, tiling=tiling, quantized=quantized,
             a_in_registers=a_in_registers)
-        o_smem[...] = pl.run_scoped(pipeline, plgpu.ACC((tn, tiling.tile_m), jnp.float32))
+        acc = pl.run_scoped(pipeline, plgpu.ACC((tn, tm), jnp.float32))  # [tn, tm]
+        if quantized:  # per-channel scales: one per row of the transposed tile
+            plgpu.barrier_wait(s_barrier)
+            acc = acc * jax.lax.broadcast_in_dim(s_smem[...], (tn, tm), [0])
+        o_smem[...] = acc.astype(o_smem.dtype)
         plgpu.commit_smem()
         plgpu.copy_smem_to_gmem(o_smem, o_gmem.at[ks, wi, pl.ds(ni * tn, tn)])  # [tn, tm]
         plgpu.wait_smem_to_gmem(0)
@@ -225,21 +238,22 @@ def default_k_splits(num_rows: int, num_groups: int, n_tiles: int, k_steps: int)
     return max(d for d in range(1, max(1, min(want, k_steps // 2)) + 1) if k_steps % d == 0)
 
 
-def _gather_cols(parts, items: WorkItems, m: int, tile_m: int, scales) -> jax.Array:
-    """[splits, W, N, tile_m] f32 partials -> [M, N] f32 rows (zeros past the last group)."""
-    _, num_items, n, _ = parts.shape
-    tiles = parts.sum(axis=0).transpose(0, 2, 1).reshape(num_items * tile_m, n)  # [W*tm, N]
+def _gather_cols(parts, items: WorkItems, m: int) -> jax.Array:
+    """[splits, W, N, tile_m] partials -> [M, N] rows, zeros past the last group. Row r of group g
+    is column (r - first row of g's items) of g's run of items: item first_item[g] + that // tile_m."""
+    splits, num_items, n, tile_m = parts.shape
+    tiles = parts[0] if splits == 1 else parts.astype(jnp.float32).sum(axis=0)  # [W, N, tm]
     r = jnp.arange(m, dtype=jnp.int32)
     grp = jnp.searchsorted(items.ends, r, side="right", method="compare_all")  # [M]: the row's group
     grp = jnp.minimum(grp, items.ends.shape[0] - 1)
-    local = r - items.starts[grp] // _ROW_ALIGN * _ROW_ALIGN  # row within the group's item run
-    rows = tiles[jnp.clip(items.first_item[grp] * tile_m + local, 0, num_items * tile_m - 1)]  # [M, N]
-    if scales is not None:
-        rows = rows * scales[grp]  # [M, N] * [M, N]
-    return jnp.where((r < items.ends[-1])[:, None], rows, 0.0)
+    flat = items.first_item[grp] * tile_m + r - items.starts[grp] // _ROW_ALIGN * _ROW_ALIGN  # [M]
+    flat = jnp.clip(flat, 0, num_items * tile_m - 1)
+    # One gather straight from the tile-major layout (no transposed copy of the partials).
+    rows = tiles[(flat // tile_m)[:, None], jnp.arange(n)[None, :], (flat % tile_m)[:, None]]  # [M, N]
+    return jnp.where((r < items.ends[-1])[:, None], rows, 0)
 
 
-def _run_cols(x, w, scales, group_sizes, m, tiling, interpret):
+def _run_cols(x, w, scales, group_sizes, m, out_dtype, tiling, interpret):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     mp, k = x.shape
@@ -248,21 +262,26 @@ def _run_cols(x, w, scales, group_sizes, m, tiling, interpret):
     tm, tn, tk = tiling.tile_m, tiling.tile_n, tiling.tile_k
     k_steps = k // tk
     splits = tiling.k_splits or default_k_splits(m, group_sizes.shape[0], n // tn, k_steps)
+    part_dtype = out_dtype if splits == 1 else jnp.float32  # split partials are summed in fp32
     num_items = max_work_items(mp, group_sizes.shape[0], tm)
     items = work_items(group_sizes, mp, tm, num_items, zero_tail=False)
     a_in_registers = quantized and not interpret  # the interpreter's wgmma reads SMEM only
-    scratch = [plgpu.SMEM((tn, tm), jnp.float32)]
-    if quantized and not a_in_registers:
-        scratch.append(plgpu.SMEM((tn, tk), x.dtype, transforms=_transforms(x.dtype, tk)))
+    scratch = [plgpu.SMEM((tn, tm), part_dtype)]
+    operands = [items.meta, x, w]
+    if quantized:
+        operands.append(scales)
+        scratch += [plgpu.SMEM((tn,), jnp.float32), plgpu.Barrier(num_arrivals=1)]
+        if not a_in_registers:
+            scratch.append(plgpu.SMEM((tn, tk), x.dtype, transforms=_transforms(x.dtype, tk)))
     kernel = functools.partial(_cols_kernel, tiling=tiling, k_steps=k_steps // splits,
                                quantized=quantized, a_in_registers=a_in_registers)
     parts = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((splits, num_items, n, tm), jnp.float32),
+        kernel, out_type=jax.ShapeDtypeStruct((splits, num_items, n, tm), part_dtype),
         scratch_types=scratch, grid=(num_items, splits, n // tn), grid_names=("w", "k", "n"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(interpret),
-    )(items.meta, x, w)
-    return _gather_cols(parts, items, m, tm, scales)
+    )(*operands)
+    return _gather_cols(parts, items, m)
 
 
 # ----------------------------------------------------------------------------- rows kernel
@@ -453,7 +472,7 @@ def smem_bytes(tiling: tuning.GpuTiling, x_dtype, w_dtype, out_dtype, *, interpr
     total = tiling.stages * (tm * tk * xb + tn * tk * wb)
     quantized = wb == 1
     if tiling.path == "cols":
-        total += tn * tm * 4 + (tn * tk * xb if quantized and interpret else 0)
+        total += tn * tm * 4 + (tn * 4 + (tn * tk * xb if interpret else 0) if quantized else 0)
     else:
         total += tm * tn * jnp.dtype(out_dtype).itemsize
         total += 2 * tn * tk * xb + tn * 4 if quantized else 0
@@ -545,5 +564,5 @@ def grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array, *, preferred_ele
     x = jnp.pad(lhs, ((0, mp - m), (0, 0)))  # [Mp, K]
     gs = group_sizes.astype(jnp.int32)
     if tiling.path == "cols":
-        return _run_cols(x, w, scales, gs, m, tiling, interpret).astype(out_dtype)
+        return _run_cols(x, w, scales, gs, m, out_dtype, tiling, interpret).astype(out_dtype)
     return _run_rows(x, w, scales, gs, out_dtype, tiling, interpret)[:m]

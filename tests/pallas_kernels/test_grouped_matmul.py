@@ -238,6 +238,8 @@ GPU_INTERPRET_CASES = {
     "cols_bf16_split_k": (44, 256, 128, (40, 6, 2), None, jnp.float32,
                           GpuTiling("cols", 16, 64, 64, 2, k_splits=2)),
     "cols_fp8": (21, 256, 128, [3, 0, 9, 1, 8], "fp8", jnp.bfloat16, GpuTiling("cols", 8, 64, 128, 2)),
+    "cols_int8_split_k": (30, 256, 128, (26, 4, 1), "int8", jnp.bfloat16,
+                          GpuTiling("cols", 8, 64, 64, 2, k_splits=2)),
     "rows_ws_bf16": (300, 256, 256, (280, 5, 1), None, jnp.bfloat16, GpuTiling("rows_ws", 128, 128, 64, 3)),
 }
 
