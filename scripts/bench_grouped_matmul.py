@@ -265,7 +265,8 @@ def print_summary(lines: list[dict]):
           f"{'roof%':>6}  best variant")
     for ln in lines:
         print(f"{ln['case']:<34} {fmt(ln['tuned_us'], '9.1f')} {fmt(ln['ragged_dot_us'], '13.1f')} "
-              f"{fmt(ln.get('speedup_tuned'), '7.2f')}x {fmt(ln.get('speedup_vs_fastest_ragged_dot'), '9.2f')}x "
+              f"{fmt(ln.get('speedup_tuned'), '7.2f')}x "
+              f"{fmt(ln.get('speedup_vs_fastest_ragged_dot'), '9.2f')}x "
               f"{fmt(ln.get('roof%'), '6.1f')}  {ln['best']} ({fmt(ln['best_us'], '.1f')} us)")
     met = [ln for ln in lines if ln.get("speedup_tuned") is not None]
     if met:
@@ -284,7 +285,8 @@ def main():
     parser.add_argument("--no-variants", action="store_true", help="time only the tuned tiling")
     parser.add_argument("--no-ceilings", action="store_true")
     parser.add_argument("--ragged-dot-flags", action="store_true",
-                        help="also time bf16 ragged_dot with XLA's cuDNN fusion flag off and on (subprocesses)")
+                        help="also time bf16 ragged_dot with XLA's cuDNN fusion flag off and on "
+                             "(subprocesses)")
     parser.add_argument("--baseline-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true",
                         help="CPU check of this script: tiny shapes, interpret mode, no variants")
