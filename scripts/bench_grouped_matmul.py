@@ -29,9 +29,11 @@ import argparse
 import dataclasses
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import jax
 import jax.numpy as jnp
@@ -168,30 +170,40 @@ def _time_ours(res, sec, name, tiling, fn, ragged, sets, measure, timing):
     x, rhs, dense, gs = sets[0]
     got, want = fn(x, rhs, gs).astype(jnp.float32), ragged(x, dense, gs).astype(jnp.float32)
     rel = float(jnp.linalg.norm(got - want) / jnp.maximum(jnp.linalg.norm(want), 1e-30))
-    arg_sets = [(x, r, g) for x, r, _, g in sets]
-    res.add(sec, name, time_fn(fn, arg_sets, **timing), **measure)
-    res.rows[-1].update(tiling=dataclasses.asdict(tiling), rel_err_vs_xla=rel,
-                        spans_us=device_breakdown(fn, arg_sets))
+    timed, spans = time_with_breakdown(fn, [(x, r, g) for x, r, _, g in sets], **timing)
+    res.add(sec, name, timed, **measure)
+    res.rows[-1].update(tiling=dataclasses.asdict(tiling), rel_err_vs_xla=rel, spans_us=spans)
     if rel > 2e-2:
         res.errors[f"{sec}/{name}"] = f"relative error {rel:.3g} against XLA ragged_dot"
 
 
-def device_breakdown(fn, arg_sets, calls: int = 6) -> dict[str, float]:
-    """Device time per call of each kernel in one traced batch (our Mosaic kernel vs the wrapper's
-    XLA ops: the work-item table, padding, the cols gather), the 8 largest."""
+def time_with_breakdown(fn, arg_sets, *, warmup=2, repeats=7, batch=10):
+    """bench_kernels.time_fn's measurement (median wall time of `repeats` batches, device time of
+    one traced batch) from a single trace, which also gives the device time per call of each
+    kernel: our Mosaic kernel vs the wrapper's XLA ops (work-item table, padding, cols gather),
+    the 8 largest."""
     from jaxinfer.bench.measure import device_spans
 
-    def run():
+    def run_batch():
         out = None
-        for i in range(calls):
+        for i in range(batch):
             out = fn(*arg_sets[i % len(arg_sets)])
         return out
 
-    source, spans = device_spans(run)
+    for i in range(warmup):
+        jax.block_until_ready(fn(*arg_sets[i % len(arg_sets)]))
+    walls = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(run_batch())
+        walls.append((time.perf_counter() - start) / batch)
+    wall = statistics.median(walls)
+    source, spans = device_spans(run_batch)
     if source != "device":
-        return {}
+        return dict(wall=wall, device=wall), {}
     top = sorted(spans.items(), key=lambda kv: -kv[1])[:8]
-    return {name[:100]: ms * 1e3 / calls for name, ms in top}
+    device = sum(spans.values()) / 1e3 / batch
+    return dict(wall=wall, device=device), {name[:100]: ms * 1e3 / batch for name, ms in top}
 
 
 def ragged_dot_flag_rows(args, fusion: bool) -> list[dict]:
@@ -297,17 +309,21 @@ def main():
     if not (args.no_ceilings or args.smoke or args.baseline_only):
         measure_ceilings(res)
     timing = dict(warmup=1, repeats=1, batch=1) if args.smoke else {}
-    for case in cases(args):
-        bench_case(res, case, variants=not (args.no_variants or args.smoke), interpret=args.smoke,
-                   timing=timing, baseline_only=args.baseline_only)
+    def write():  # after every case, so a run cut short by a time limit keeps what it measured
+        with open(args.out, "w") as f:
+            json.dump(dict(device=device, argv=sys.argv, ceilings=res.ceilings, rows=res.rows,
+                           summary=summary(res), errors=res.errors), f, indent=1)
+
     if args.ragged_dot_flags:
         for fusion in (False, True):
             res.run("baseline", f"fusion={fusion}",
                     lambda fusion=fusion: res.rows.extend(ragged_dot_flag_rows(args, fusion)))
+    for case in cases(args):
+        bench_case(res, case, variants=not (args.no_variants or args.smoke), interpret=args.smoke,
+                   timing=timing, baseline_only=args.baseline_only)
+        write()
+    write()
     lines = summary(res)
-    with open(args.out, "w") as f:
-        json.dump(dict(device=device, argv=sys.argv, ceilings=res.ceilings, rows=res.rows,
-                       summary=lines, errors=res.errors), f, indent=1)
     if args.baseline_only:
         return
     print_table(res)
