@@ -1,0 +1,54 @@
+"""Grouped (ragged) matmul for MoE experts: one entry point, three implementations.
+
+    out = grouped_matmul(lhs [M, K], rhs [G, K, N] | QuantizedExperts, group_sizes [G] int32,
+                         impl="auto" | "reference" | "pallas_tpu" | "pallas_gpu")
+
+Semantics are `jax.lax.ragged_dot` (reference.py). `impl="auto"` picks the Pallas TPU kernel on
+TPU, the Pallas GPU kernel on GPU when it takes the call (`gpu.supported`: bf16/f16 lhs, rhs of
+the same dtype or int8/fp8 experts, K and N multiples of 64) and the reference otherwise.
+`interpret=True` runs a Pallas kernel in interpret mode (works on CPU). `tiling` overrides the
+tuned tiles (`tuning.GpuTiling` / `tuning.TpuTiling`).
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import jax
+
+from pallas_kernels.grouped_matmul import reference
+from pallas_kernels.grouped_matmul.reference import QuantizedExperts, dequantize, quantize_experts
+from pallas_kernels.grouped_matmul.tuning import GpuTiling, TpuTiling
+
+Impl = Literal["auto", "reference", "pallas_tpu", "pallas_gpu"]
+_IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+
+
+def resolve_impl(impl: Impl, *, gpu_supported: bool = True) -> str:
+    """The concrete implementation for `impl` on the default backend."""
+    if impl not in _IMPLS:
+        raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
+    if impl != "auto":
+        return impl
+    chosen = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(jax.default_backend(), "reference")
+    return "reference" if chosen == "pallas_gpu" and not gpu_supported else chosen
+
+
+def grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array, *, impl: Impl = "auto",
+                   interpret: bool = False, preferred_element_type=None,
+                   tiling: GpuTiling | TpuTiling | None = None) -> jax.Array:
+    """lhs [M, K] rows sorted by group times their group's [K, N] weights -> [M, N] (module doc)."""
+    reference.check_args(lhs, rhs, group_sizes)
+    from pallas_kernels.grouped_matmul import gpu
+    chosen = resolve_impl(impl, gpu_supported=gpu.supported(lhs, rhs))
+    kwargs = dict(preferred_element_type=preferred_element_type)
+    if chosen == "reference":
+        return reference.grouped_matmul(lhs, rhs, group_sizes, **kwargs)
+    if chosen == "pallas_tpu":
+        from pallas_kernels.grouped_matmul import tpu
+        return tpu.grouped_matmul(lhs, rhs, group_sizes, **kwargs, tiling=tiling, interpret=interpret)
+    return gpu.grouped_matmul(lhs, rhs, group_sizes, **kwargs, tiling=tiling, interpret=interpret)
+
+
+__all__ = ["GpuTiling", "QuantizedExperts", "TpuTiling", "dequantize", "grouped_matmul",
+           "quantize_experts", "reference", "resolve_impl"]
