@@ -22,13 +22,13 @@ LAYOUTS = {"ep2": MeshConfig(expert=2), "ep4": MeshConfig(expert=4), "ep8": Mesh
            "tp2_ep4": MeshConfig(tensor=2, expert=4)}
 
 
-def sharded_runner(name: str, mesh_cfg: MeshConfig) -> ModelRunner:
+def sharded_runner(name: str, mesh_cfg: MeshConfig, **runner_kw) -> ModelRunner:
     ckpt = open_checkpoint(checkpoint_dir(load_golden(name), "published"))
     cfg = ckpt.config
     mesh, rules = make_mesh(mesh_cfg), mesh_rules(cfg, mesh_cfg)
     weights = ckpt.load_weights(ckpt.family.param_specs(cfg, jnp.float32), mesh, rules)
     cache = allocate_kv_cache(cfg, 32, PAGE_SIZE, jnp.float32, mesh, rules)
-    return ModelRunner(ckpt.family, cfg, weights, cache, mesh, rules, attention_impl="reference")
+    return ModelRunner(ckpt.family, cfg, weights, cache, mesh, rules, **{"attention_impl": "reference", **runner_kw})
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -42,6 +42,15 @@ def test_expert_parallel_reproduces_hf_greedy(name: str, layout: str) -> None:
         tokens, logprobs = greedy_through_runner(runner, case["prompt_ids"], case["max_new_tokens"])
         assert tokens == case["output_ids"], (layout, case["prompt_ids"])
         np.testing.assert_allclose(logprobs, case["logprobs"], rtol=0, atol=LOGPROB_TOL)
+
+
+def test_pallas_tpu_kernels_in_interpret_mode_under_expert_parallelism_reproduce_hf() -> None:
+    """The TPU grouped-matmul and attention kernels (interpret mode), each device on its own experts."""
+    runner = sharded_runner("mixtral-tiny", MeshConfig(expert=2), attention_impl="pallas_tpu", interpret=True)
+    case = load_golden("mixtral-tiny")["greedy"][0]
+    tokens, logprobs = greedy_through_runner(runner, case["prompt_ids"], 4)
+    assert tokens == case["output_ids"][:4]
+    np.testing.assert_allclose(logprobs, case["logprobs"][:4], rtol=0, atol=LOGPROB_TOL)
 
 
 def test_expert_parallel_step_combines_with_one_all_reduce_per_moe_layer_and_gathers_no_experts() -> None:

@@ -45,6 +45,7 @@ from jaxinfer.kv_cache import KVCache, cache_sharding
 from jaxinfer.models import ModelFamily
 from jaxinfer.models.common import AttentionMetadata, gather_last_tokens
 from jaxinfer.sharding import Logical, ShardingRules, axis_size, replicated
+from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.ragged_paged_attention import resolve_impl
 
 
@@ -133,7 +134,10 @@ class ModelRunner:
         self._executables: dict[tuple[Any, ...], Any] = {}
         self.precompile_times: dict[str, float] = {}  # the last `precompile`: trace and compile seconds
         attn_fn = make_attention_fn(cfg, attention_impl, interpret, mesh)
-        self.moe_fn = make_moe_fn(mesh, rules) if family.moe else None
+        # The experts' grouped matmul follows the attention choice: the Pallas kernel of the platform, or the
+        # jnp reference (ragged_dot) wherever attention runs the reference.
+        experts = functools.partial(grouped_matmul, impl=attention_impl, interpret=interpret)
+        self.moe_fn = make_moe_fn(mesh, rules, experts) if family.moe else None
         self.num_experts = cfg.num_experts if family.moe else 0
         self._logits_step = jax.jit(
             functools.partial(self._logits_step_impl, attn_fn=attn_fn),

@@ -1,0 +1,57 @@
+#!/usr/bin/env bash
+# One GPU lease, many checks: run the named sections in order, each under its own time limit, logs and JSON
+# under $OUT, and a one-line verdict per section at the end (the device tool returns only the tail).
+#
+#   scripts/gpu_session.sh kernels bench_tp1 moe ...      (on the GPU machine, from the repository root)
+#
+# Sections:
+#   env          nvidia-smi, JAX devices, Python packages the rest needs
+#   kernels      every gpu-marked kernel test (attention layouts, grouped matmul, quantized matmul, no-copy HLO)
+#   heads        attention kernel timing at every GQA group / head dim beside today's shapes
+#   gmm          grouped matmul vs ragged_dot at Qwen3-30B-A3B expert shapes
+#   describe     llm.describe() of Llama-3-8B shape on one GPU (per-device weight/KV bytes, collectives)
+#   bench_tp1    the run of record's command (Llama-3-8B, bf16): TP=1 figures to hold within 3% of latest.json
+#   moe          Qwen3-30B-A3B shape on one GPU: decode MBU, 1000/1000, prefill MFU
+set -uo pipefail
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
+declare -A VERDICT
+
+run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, remember pass/fail
+  local name=$1 limit=$2
+  shift 2
+  local start=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  local rc=$?
+  VERDICT[$name]="rc=$rc $((SECONDS - start))s $(grep -E '^[0-9]+ passed|passed|failed|error' "$OUT/$name.log" | tail -1 | cut -c1-90)"
+}
+
+for section in "$@"; do
+  case $section in
+    env)
+      run env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import jax; print(jax.__version__, jax.devices())"' ;;
+    kernels)
+      run kernels 580 python3 -m pytest -q -m gpu --durations=10 tests/pallas_kernels tests/engine/test_no_copies.py ;;
+    heads)
+      run heads 400 python3 scripts/bench_kernels.py --sections ceilings,decode,heads --out "$OUT/bench_heads.json" ;;
+    gmm)
+      run gmm 500 python3 scripts/bench_grouped_matmul.py --out "$OUT/gmm.json" ;;
+    describe)
+      run describe 300 python3 -c 'from jaxinfer import LLM; from jaxinfer.describe import format_description as f
+llm = LLM("llama-3-8b", random_weights=True, dtype="bfloat16", max_num_seqs=64, max_model_len=2048, decode_steps_per_call=8, use_tqdm=False)
+print(f(llm.describe()))' ;;
+    bench_tp1)
+      run bench_tp1 590 python3 -m jaxinfer.cli bench --hf-json docs/benchmarks/hf_h100_128.json --memory-fraction 0.85 \
+        --grid 1000x1000:192 128x128:256 sharegpt:128 2048x2048:32 --sweep-requests-per-slot 1 --plot none \
+        --out "$OUT/bench_tp1.json" ;;
+    moe)
+      run moe 590 python3 -m jaxinfer.cli bench --model qwen3-30b-a3b --hf skip --memory-fraction 0.85 \
+        --grid 1000x1000:128 --concurrency --decode-batches 1 64 --plot none --out "$OUT/moe_1gpu.json" ;;
+    *) echo "unknown section $section" ;;
+  esac
+done
+
+echo "=== verdicts"
+for section in "$@"; do echo "$section: ${VERDICT[$section]:-not run}"; done
+for section in "$@"; do echo "--- $section (tail)"; tail -12 "$OUT/$section.log" 2>/dev/null; done
