@@ -6,7 +6,8 @@
 #
 # Sections:
 #   env          nvidia-smi, JAX devices, Python packages the rest needs
-#   kernels      every gpu-marked kernel test (attention layouts, grouped matmul, quantized matmul, no-copy HLO)
+#   kernels      gpu-marked kernel tests (attention, grouped matmul, quantized matmul, no-copy HLO), except:
+#   attn_groups  the attention kernel at every GQA group size 1..16 x head dims 64/80/96/128/256
 #   heads        attention kernel timing at every GQA group / head dim beside today's shapes
 #   gmm          grouped matmul vs ragged_dot at Qwen3-30B-A3B expert shapes
 #   describe     llm.describe() of Llama-3-8B shape on one GPU (per-device weight/KV bytes, collectives)
@@ -32,7 +33,10 @@ for section in "$@"; do
     env)
       run env 60 bash -c 'nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; python3 -c "import jax; print(jax.__version__, jax.devices())"' ;;
     kernels)
-      run kernels 580 python3 -m pytest -q -m gpu --durations=10 tests/pallas_kernels tests/engine/test_no_copies.py ;;
+      run kernels 580 python3 -m pytest -q -m gpu --durations=10 -k "not every_group" tests/pallas_kernels \
+        tests/engine/test_no_copies.py ;;
+    attn_groups)
+      run attn_groups 580 python3 -m pytest -q -m gpu --durations=10 -k every_group tests/pallas_kernels ;;
     heads)
       run heads 400 python3 scripts/bench_kernels.py --sections ceilings,decode,heads --out "$OUT/bench_heads.json" ;;
     gmm)
