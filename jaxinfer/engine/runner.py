@@ -5,10 +5,14 @@ once per bucket. It counts compilations so tests and the engine can prove steady
 recompile.
 
 Multi-step decode (`decode_steps`): when every sequence of a step is a decode, up to `max_steps` decode
-iterations run inside one device call (a `lax.scan` whose body is skipped by `lax.cond` once the requested
-number of iterations ran or every row stopped). Each iteration samples, feeds the token back, advances
-positions / write slots / kv_lens and stops rows on device at their token budget (max_tokens,
-max_model_len) or at an EOS / stop id once min_tokens are out. The host guarantees the pages: it asks for
+iterations run inside one device call: a `lax.scan` of exactly `max_steps` iterations with a branch-free body.
+Each iteration samples, feeds the token back, advances positions / write slots / kv_lens and stops rows on
+device at their token budget (max_tokens, max_model_len) or at an EOS / stop id once min_tokens are out.
+Iterations past the requested number, and rows that stopped, are masked (their writes go to the trash page,
+their tokens are flagged invalid) rather than skipped by a `lax.cond`: XLA's GPU runtime reads a
+conditional's predicate back to the host, a sync per iteration, while a loop of known trip count runs without
+one; and on every backend, a cache update under a conditional made XLA copy each cache layer per iteration
+when the update became a dynamic-update-slice (the 1-row bucket). The host guarantees the pages: it asks for
 no more iterations than every row's last page has room for, so the loop never needs a new page.
 """
 
@@ -245,13 +249,7 @@ class ModelRunner:
         )
 
         def body(carry: _DecodeCarry, i: jax.Array) -> tuple[_DecodeCarry, tuple[SamplerOutput, jax.Array]]:
-            run = (i < decode.num_steps) & jnp.any(carry.active)
-            return jax.lax.cond(
-                run,
-                lambda c: self._decode_iteration(weights, c, i, batch.md, decode, attn_fn),
-                lambda c: (c, (_empty_sampler_output(num_rows, self.cfg.vocab_size), jnp.zeros(num_rows, bool))),
-                carry,
-            )
+            return self._decode_iteration(weights, carry, i, batch.md, decode, attn_fn)
 
         carry, (sampled, valid) = jax.lax.scan(body, carry, jnp.arange(max_steps))  # outputs [N, S, ...]
         penalties = set_rows(penalties, inputs.slots, carry.rows)
@@ -264,20 +262,22 @@ class ModelRunner:
         self, weights: Any, c: _DecodeCarry, i: jax.Array, md0: AttentionMetadata, decode: DecodeInputs,
         attn_fn: Any,
     ) -> tuple[_DecodeCarry, tuple[SamplerOutput, jax.Array]]:
-        md = decode_metadata(c.positions, c.active, md0.page_indices, md0.num_seqs, c.kv_cache.page_size)
+        """One masked iteration: rows generate only while active and i < num_steps (see the module doc)."""
+        live = c.active & (i < decode.num_steps)  # [S]
+        md = decode_metadata(c.positions, live, md0.page_indices, md0.num_seqs, c.kv_cache.page_size)
         hidden, kv_cache, counts = self._forward(weights, c.tokens, md, c.kv_cache, attn_fn)  # [S, D]
         out = sample(self.family.compute_logits(weights, self.cfg, hidden), c.sampling, c.rows, vocab=self.vocab)
-        rows = update_output_counts(c.rows, out.tokens, c.active)
+        rows = update_output_counts(c.rows, out.tokens, live)
         # `step` counts tokens generated before this one, so this token is number step + 1.
         hit_stop = jnp.any(out.tokens[:, None] == decode.stop_ids, axis=-1)  # [S]
         may_stop = c.sampling.step + 1 >= c.sampling.min_tokens  # [S]
-        stop = (hit_stop & may_stop) | (i + 1 >= decode.budget)  # [S]
+        stop = live & ((hit_stop & may_stop) | (i + 1 >= decode.budget))  # [S]
         nxt = _DecodeCarry(
             kv_cache, rows, c.sampling.advance(),
-            jnp.where(c.active, out.tokens, c.tokens), c.positions + c.active.astype(jnp.int32), c.active & ~stop,
-            c.expert_counts + counts,
+            jnp.where(live, out.tokens, c.tokens), c.positions + live.astype(jnp.int32), c.active & ~stop,
+            c.expert_counts + counts * jnp.any(live),
         )
-        return nxt, (out, c.active)
+        return nxt, (out, live)
 
     def decode_steps(
         self, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs, decode: DecodeInputs, max_steps: int
@@ -373,17 +373,6 @@ def decode_metadata(
     return AttentionMetadata(
         positions=positions, slot_mapping=slots.astype(jnp.int32), cu_q_lens=cu_q_lens, kv_lens=kv_lens,
         page_indices=page_indices, num_seqs=num_seqs,
-    )
-
-
-def _empty_sampler_output(num_rows: int, vocab_size: int) -> SamplerOutput:
-    k = min(MAX_LOGPROBS, vocab_size)  # the width `sample` returns
-    return SamplerOutput(
-        tokens=jnp.zeros(num_rows, jnp.int32),
-        logprobs=jnp.zeros(num_rows, jnp.float32),
-        top_ids=jnp.zeros((num_rows, k), jnp.int32),
-        top_logprobs=jnp.zeros((num_rows, k), jnp.float32),
-        ranks=jnp.zeros(num_rows, jnp.int32),
     )
 
 

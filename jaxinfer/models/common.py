@@ -131,12 +131,24 @@ def write_kv(
     """Scatter this step's keys/values [T, K, H] into the paged cache [P, R, K, H] at their flat slots.
 
     Padding tokens carry slots inside page 0, the reserved trash page, so no mask is needed.
+
+    A one-token step (the 1-row decode bucket) writes with a dynamic-update-slice instead. XLA turns a
+    one-index scatter into one anyway, but keeps the scatter's drop-out-of-bounds rule by reading the old
+    row and selecting, and that read of the old cache beside the in-place write made it copy every cache
+    layer on every step (41 instead of 7 ms per token on an H100). A dynamic-update-slice clamps instead,
+    which is equivalent here (the slot is always in bounds), so the layer is updated in place.
     """
     num_pages, page_size, kv_heads, head_dim = k_pages.shape
     flat_shape = (num_pages * page_size, kv_heads, head_dim)  # [P*R, K, H]
-    k_flat = k_pages.reshape(flat_shape).at[slot_mapping].set(k.astype(k_pages.dtype))
-    v_flat = v_pages.reshape(flat_shape).at[slot_mapping].set(v.astype(v_pages.dtype))
-    return k_flat.reshape(k_pages.shape), v_flat.reshape(v_pages.shape)
+
+    def write(pages: jax.Array, x: jax.Array) -> jax.Array:
+        x = x.astype(pages.dtype)
+        if x.shape[0] == 1:  # no reshape either: a bitcast around the update also cost the in-place write
+            slot = slot_mapping[0]
+            return jax.lax.dynamic_update_slice(pages, x[None], (slot // page_size, slot % page_size, 0, 0))
+        return pages.reshape(flat_shape).at[slot_mapping].set(x).reshape(pages.shape)  # via [P*R, K, H]
+
+    return write(k_pages, k), write(v_pages, v)
 
 
 def gather_last_tokens(hidden: jax.Array, logits_indices: jax.Array) -> jax.Array:

@@ -1,0 +1,90 @@
+"""Where a multi-step decode call spends its time, per row bucket: device time per iteration of the compiled
+decode call at each requested bucket (one real row or full), its kernel breakdown, and optionally the
+compiled HLO, so a regression confined to one bucket (the 1-row bucket of batch-1 decode, say) shows
+which bucket and which kernels.
+
+    PYTHONPATH=$PWD python3 scripts/profile_decode_buckets.py --rows 1 16 --out $OUT/buckets.json --hlo-dir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from jaxinfer import LLM
+from jaxinfer.bench.measure import kernel_profile
+from jaxinfer.bench.workloads import fixed, prompts
+
+
+def time_bucket(llm: LLM, rows: int, real: int, ctx: int, steps: int, calls: int) -> dict:
+    """Device time of `calls` back-to-back decode calls over bucket `rows` holding `real` sequences."""
+    engine, runner = llm.engine, llm.engine.runner
+    ids = [engine.add_request(p, _greedy(engine.max_model_len - ctx)) for p in prompts(fixed(ctx, 1, real), 32000, rows)]
+    while any(not engine.requests[i].seqs[0].token_ids for i in ids):
+        engine.step()
+    engine.flush()
+    plan = engine.scheduler.schedule()
+    slots = engine._slot_rows(plan)
+    shape = engine.decode_shape(rows)
+    args = runner.place(engine._decode_args(shape, plan.seqs, [], slots, steps))
+
+    def call():
+        engine.penalties, out = runner.decode_steps(engine.penalties, *args, max_steps=engine.decode_steps_per_call)
+        return out
+
+    jax.block_until_ready(call())
+    t = time.perf_counter()
+    for _ in range(calls - 1):
+        call()
+    jax.block_until_ready(call())
+    per_iteration_ms = (time.perf_counter() - t) / calls / steps * 1e3
+    profile = kernel_profile(lambda: [call() for _ in range(2)], calls=2)
+    for i in ids:
+        engine.abort(i)
+    return {"rows_bucket": shape.seqs, "real_rows": real, "ms_per_iteration": per_iteration_ms, "kernels": profile}
+
+
+def _greedy(n: int):
+    from jaxinfer import SamplingParams
+
+    return SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="llama-3-8b")
+    p.add_argument("--rows", type=int, nargs="*", default=[1, 16])
+    p.add_argument("--ctx", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--calls", type=int, default=10)
+    p.add_argument("--out", default="buckets.json")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--hlo-dir", default=None, help="write each decode executable's compiled HLO here")
+    args = p.parse_args()
+    llm = LLM(args.model, random_weights=True, dtype=args.dtype, max_num_seqs=64, max_model_len=args.ctx + 256,
+              decode_steps_per_call=args.steps, use_tqdm=False, memory_fraction=0.5)
+    results = []
+    for rows in args.rows:
+        results.append(time_bucket(llm, rows, 1, args.ctx, args.steps, args.calls))
+        if rows > 1:
+            results.append(time_bucket(llm, rows, rows, args.ctx, args.steps, args.calls))
+        print(json.dumps({k: v for k, v in results[-1].items() if k != "kernels"}), flush=True)
+    if args.hlo_dir:
+        decodes = [exe for key, exe in llm.engine.runner._executables.items() if key[0] == "decode"]
+        for rows, exe in zip(llm.engine.decode_row_buckets, decodes):  # warmup compiles them in this order
+            if rows in args.rows:
+                Path(args.hlo_dir, f"decode_rows{rows}.hlo.txt").write_text(exe.as_text())
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    for r in results:
+        k = r["kernels"]
+        print(f"bucket {r['rows_bucket']:>3} real {r['real_rows']:>3}: {r['ms_per_iteration']:.2f} ms/iteration; "
+              f"kernels/call {json.dumps(k.get('ms_per_call_by_class'))}; top {[t['name'] for t in k.get('top', [])[:4]]}")
+
+
+if __name__ == "__main__":
+    main()
