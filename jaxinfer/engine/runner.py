@@ -228,7 +228,7 @@ class ModelRunner:
         may_stop = c.sampling.step + 1 >= c.sampling.min_tokens  # [S]
         stop = (hit_stop & may_stop) | (i + 1 >= decode.budget)  # [S]
         nxt = _DecodeCarry(
-            kv_cache, rows, c.sampling.advance(),
+            kv_cache, rows, c.sampling.advance(out.tokens, c.active),  # tokens feed multi-token bad words
             jnp.where(c.active, out.tokens, c.tokens), c.positions + c.active.astype(jnp.int32), c.active & ~stop,
         )
         return nxt, (out, c.active)
