@@ -3,16 +3,21 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from jaxinfer.chat import HFStyleTokenizer, chat_prompts
 from jaxinfer.checkpoint import open_checkpoint
 from jaxinfer.config import CacheConfig, ConfigError, DType, EngineConfig, MeshConfig, ModelConfig
+from jaxinfer.errors import InvalidInput, Notice
 from jaxinfer.kv_cache import allocate_kv_cache, bytes_per_page
+from jaxinfer.llm_args import DTYPE_NAMES, LLMArgs, check_model_limits, resolve_llm_args, resolve_model_name
 from jaxinfer.models import family_for_config
+from jaxinfer.outputs import RequestOutput
 from jaxinfer.params import init_params
 from jaxinfer.presets import BUNDLED, bundled_checkpoint, is_alias, load_preset
 from jaxinfer.sharding import make_mesh, tensor_parallel_rules
@@ -75,21 +80,31 @@ def use_compilation_cache(setting: str | Path | None) -> Path | None:
 
 
 class LLM:
-    """Offline generation over a jitted, paged, continuously batched engine."""
+    """Offline generation over a jitted, paged, continuously batched engine, with vLLM's offline API.
+
+    Arguments are vLLM's names where vLLM has the concept (see jaxinfer.llm_args for what each accepts, the
+    older names kept as aliases, and the vLLM arguments that only give a notice or a clear error).
+    """
 
     def __init__(
         self,
         model: str | Path | ModelConfig,
         *,
-        dtype: str = "float32",
-        tensor_parallel_size: int = 1,
+        tokenizer: str | Path | None = None,
+        dtype: str = "auto",
+        seed: int | None = 0,
         max_model_len: int | None = None,
+        gpu_memory_utilization: float | None = None,
         max_num_seqs: int = 16,
         max_num_batched_tokens: int = 512,
-        page_size: int = 16,
-        num_pages: int | None = None,
-        memory_fraction: float = 0.5,
+        block_size: int | None = None,
         enable_prefix_caching: bool = True,
+        tensor_parallel_size: int = 1,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
+        enforce_eager: bool = False,
+        num_pages: int | None = None,
+        memory_fraction: float | None = None,
         decode_steps_per_call: int = 1,
         overlap_decode: bool = True,
         compile_threads: int | None = None,
@@ -97,42 +112,49 @@ class LLM:
         attention_impl: str = "auto",
         interpret: bool = False,
         random_weights: bool = False,
-        seed: int = 0,
-        tokenizer: str | Path | None = None,
         warmup: bool = True,
         use_tqdm: bool = True,
+        **kwargs: Any,  # page_size (= block_size), and vLLM arguments that need a notice or an error
     ) -> None:
+        # Every keyword above goes through the one checked table (jaxinfer.llm_args.LLM_ARG_RULES).
+        given = {k: v for k, v in locals().items() if k not in ("self", "model", "kwargs", "__class__")}
+        args = self.args = resolve_llm_args({**given, **kwargs})
+        model = resolve_model_name(model)
         self.engine_config = EngineConfig(
-            dtype=DType(dtype),
-            tensor_parallel_size=tensor_parallel_size,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            attention_impl=attention_impl,
-            interpret=interpret,
+            dtype=resolve_dtype(args.dtype),
+            tensor_parallel_size=args.tensor_parallel_size,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            attention_impl=args.attention_impl,
+            interpret=args.interpret,
         )
-        self.cache_config = CacheConfig(page_size=page_size, num_pages=num_pages, memory_fraction=memory_fraction)
-        self.decode_steps_per_call = decode_steps_per_call
-        self.overlap_decode = overlap_decode
-        self.compile_threads = compile_threads
-        self.compilation_cache_dir = use_compilation_cache(compilation_cache_dir)
+        self.cache_config = CacheConfig(page_size=args.block_size, num_pages=args.num_pages,
+                                        memory_fraction=args.memory_fraction,
+                                        gpu_memory_utilization=args.gpu_memory_utilization)
+        self.decode_steps_per_call = args.decode_steps_per_call
+        self.overlap_decode = args.overlap_decode
+        self.compile_threads = args.compile_threads
+        self.compilation_cache_dir = use_compilation_cache(args.compilation_cache_dir)
         checkpoint, preset = resolve_source(model)
-        if checkpoint is None and not random_weights:
+        if checkpoint is None and not args.random_weights:
             raise ConfigError(
                 f"{model!r} is a shape-only preset or config with no checkpoint; pass random_weights=True or a "
                 "checkpoint path."
             )
         self.model_config: ModelConfig = preset if checkpoint is None else checkpoint.config
+        check_model_limits(args, self.model_config.max_position_embeddings)
+        _check_quantization(args, checkpoint, self.engine_config.dtype)
         self.family = family_for_config(self.model_config)
-        self.mesh = make_mesh(MeshConfig(tensor=tensor_parallel_size))
-        self.rules = tensor_parallel_rules(self.model_config, tensor_parallel_size)
+        self.mesh = make_mesh(MeshConfig(tensor=args.tensor_parallel_size))
+        self.rules = tensor_parallel_rules(self.model_config, args.tensor_parallel_size)
         self.dtype = JNP_DTYPES[self.engine_config.dtype]
-        self.weights = self._load_weights(checkpoint, random_weights, seed)
-        if checkpoint is None and tokenizer is None:
+        self.weights = self._load_weights(checkpoint, args.random_weights, args.seed or 0)
+        if checkpoint is None and args.tokenizer is None:
             self.tokenizer = None
         else:
-            self.tokenizer = load_model_tokenizer(checkpoint, tokenizer)
-        self._build_engine(enable_prefix_caching, warmup, use_tqdm)
+            self.tokenizer = load_model_tokenizer(checkpoint, args.tokenizer)
+        self._build_engine(args.enable_prefix_caching, args.warmup, args.use_tqdm)
 
     def _load_weights(self, checkpoint: Any, random_weights: bool, seed: int) -> Any:
         specs = self.family.param_specs(self.model_config, self.dtype)
@@ -145,6 +167,8 @@ class LLM:
         if cache.num_pages is not None:
             return cache.num_pages
         per_page = bytes_per_page(self.model_config, cache.page_size, self.dtype, self.mesh)
+        if cache.gpu_memory_utilization is not None:
+            return pages_for_utilization(cache.gpu_memory_utilization, per_page, self.mesh)
         free = free_device_memory(self.mesh)
         return max(2, int(free * cache.memory_fraction) // per_page)
 
@@ -164,38 +188,63 @@ class LLM:
             runner, self.tokenizer, self.engine_config, self.cache_config,
             enable_prefix_caching=prefix_caching, use_tqdm=use_tqdm,
             decode_steps_per_call=self.decode_steps_per_call, overlap_decode=self.overlap_decode,
-            compile_threads=self.compile_threads,
+            compile_threads=self.compile_threads, seed=self.args.seed,
         )
         if warmup:
             self.engine.warmup()
 
-    def generate(self, prompts: Any, sampling_params: Any = None, *, use_tqdm: bool | None = None) -> list[Any]:
-        """Generate for every prompt (strings or token-id lists); outputs come back in input order."""
-        return self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+    def get_tokenizer(self) -> HFStyleTokenizer:
+        """The tokenizer with transformers' signatures and defaults (encode, decode, apply_chat_template,
+        eos_token_id, vocab_size, ...), as vLLM's `get_tokenizer()` returns; `llm.tokenizer` is jaxinfer's own."""
+        if self.tokenizer is None:
+            raise InvalidInput("this model has no tokenizer (a shape-only preset); pass tokenizer=... to LLM.",
+                               field="tokenizer")
+        return HFStyleTokenizer(self.tokenizer)
 
-    def chat(self, messages: Any, sampling_params: Any = None, **kwargs: Any) -> list[Any]:
-        """Render conversations with the checkpoint's chat template, then generate."""
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [
-            self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations
-        ]
-        return self.generate(prompts, sampling_params, **kwargs)
+    def generate(self, prompts: Any, sampling_params: Any = None, *, use_tqdm: bool | None = None,
+                 priority: list[int] | None = None, lora_request: Any = None) -> list[RequestOutput]:
+        """Generate for every prompt (a string, token ids, {"prompt": ...}, {"prompt_token_ids": ...}, or a list
+        of them) with one SamplingParams or one per prompt; outputs come back complete, in input order."""
+        _no_lora(lora_request)
+        return self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
+
+    def chat(
+        self, messages: Any, sampling_params: Any = None, *, use_tqdm: bool | None = None, lora_request: Any = None,
+        chat_template: str | None = None, chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True, continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None, documents: Any = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Render one conversation (a list of {"role", "content"} messages) or a list of them with the chat
+        template, then generate; `RequestOutput.prompt` is the rendered text. vLLM's keywords and defaults;
+        chat_template_content_format is accepted for compatibility (text parts are always joined)."""
+        _no_lora(lora_request)
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise InvalidInput.of("", "chat_template_content_format", chat_template_content_format,
+                                  "'auto', 'string' or 'openai'")
+        prompts = chat_prompts(
+            self.tokenizer, messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs, tools=tools,
+            documents=documents,
+        )
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, prompts: Any, sampling_params: Any = None) -> Any:
-        """Iterate over incremental outputs (`outputs[i].delta_text`) as the engine produces them."""
+        """Iterate over incremental outputs as the engine produces them (each request's output_kind decides
+        what they carry; with the default, `outputs[i].delta_text` is what is new)."""
         return self.engine.stream(prompts, sampling_params)
 
     # The add-request/step interface, for servers that run their own loop.
     def add_request(self, prompt: Any, sampling_params: Any = None, *, request_id: str | None = None,
                     priority: int = 0) -> str:
-        """Queue one request (validated now: a bad one raises ValueError and nothing else changes)."""
+        """Queue one request (checked now: a bad one raises InvalidInput naming the field, nothing else changes)."""
         return self.engine.add_request(prompt, sampling_params, request_id=request_id, priority=priority)
 
-    def step(self) -> list[Any]:
-        """One engine iteration; the outputs of every request that advanced (deltas in `delta_text`)."""
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; the outputs of every request that advanced (as its output_kind asks)."""
         return self.engine.step()
 
-    def abort(self, request_id: str) -> Any:
+    def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages; returns its partial output (None if unknown)."""
         return self.engine.abort(request_id)
 
@@ -204,6 +253,53 @@ class LLM:
 
     def engine_stats(self) -> dict[str, Any]:
         return self.engine.stats()
+
+
+def resolve_dtype(name: str) -> DType:
+    """'auto': bfloat16 where it is fast (GPU, TPU), float32 on CPU; otherwise the named dtype."""
+    if name == "auto":
+        return DType.FLOAT32 if jax.default_backend() == "cpu" else DType.BFLOAT16
+    return DType(DTYPE_NAMES[name])
+
+
+def _check_quantization(args: LLMArgs, checkpoint: Any, dtype: DType) -> None:
+    if args.quantization != "gguf":
+        return
+    if not hasattr(checkpoint, "metadata"):  # only GGUF checkpoints carry GGUF metadata
+        raise InvalidInput.of("LLM argument ", "quantization", "gguf", "None for a checkpoint that is not a .gguf file")
+    warnings.warn(f"quantization='gguf': the GGUF weights are dequantized to {dtype.value} at load.", Notice,
+                  stacklevel=3)
+
+
+def _no_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise InvalidInput.of("", "lora_request", lora_request, "None (LoRA adapters are not supported yet)")
+
+
+def pages_for_utilization(utilization: float, per_page: int, mesh: Any) -> int:
+    """KV pages that fit in `utilization` of each device's memory after what is already in use (the weights):
+    vLLM's gpu_memory_utilization. Refused when nothing is left for the KV cache."""
+    total, used = device_memory(mesh)
+    budget = int(total * utilization) - used
+    if budget < 2 * per_page:
+        raise InvalidInput.of(
+            "LLM argument ", "gpu_memory_utilization", utilization,
+            f"large enough to leave room for the KV cache: {utilization} of {total / 2**30:.1f} GiB is "
+            f"{total * utilization / 2**30:.2f} GiB and {used / 2**30:.2f} GiB are already in use")
+    return budget // per_page
+
+
+def device_memory(mesh: Any) -> tuple[int, int]:
+    """(bytes each device may use, bytes in use), the device with the least room deciding; on CPU (no
+    stats) 2 GiB and nothing in use."""
+    best = None
+    for device in mesh.devices.flat:
+        stats = device.memory_stats() or {}
+        if "bytes_limit" in stats:
+            pair = (stats["bytes_limit"], stats.get("bytes_in_use", 0))
+            if best is None or pair[0] - pair[1] < best[0] - best[1]:
+                best = pair
+    return best or (2 << 30, 0)
 
 
 def free_device_memory(mesh: Any) -> int:
