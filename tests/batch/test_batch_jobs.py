@@ -104,7 +104,8 @@ def test_duplicate_and_missing_ids_are_reported_before_work() -> None:
     "section, bad, message",
     [
         ("sampling", {"max_tokens": 4, "temprature": 0.5}, "unknown key\\(s\\) 'temprature'"),
-        ("engine", {"max_num_seqz": 4}, "engine: unknown key\\(s\\) 'max_num_seqz'"),
+        ("engine", {"max_num_seqz": 4}, "engine.max_num_seqz is not an argument jaxinfer knows; did you mean "
+                                        "max_num_seqs"),
         ("input", {"path": "p.jsonl", "promt_field": "x"}, "input: unknown key\\(s\\) 'promt_field'"),
         ("top", None, "job: unknown key\\(s\\) 'modle'"),
     ],
