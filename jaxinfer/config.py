@@ -140,7 +140,7 @@ class _FromDict:
                                    accepted="a mapping")
         hints = typing.get_type_hints(cls)
         known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - known, key=str)  # YAML keys may be numbers too
         if unknown:
             raise ConfigError(
                 f"{name}: unknown key(s) {', '.join(map(repr, unknown))}; "

@@ -17,6 +17,7 @@ tool_call_id, ...) reach the template untouched.
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Mapping, Sequence
 from typing import Any, NamedTuple, NotRequired, TypedDict
 
@@ -117,8 +118,8 @@ def parse_prompts(prompts: Any) -> list[Prompt]:
             return [parse_prompt(row, f"prompts[{i}]") for i, row in enumerate(prompts)]
         return [parse_prompt(prompts)]
     if isinstance(prompts, list | tuple):
-        if prompts and all(is_int(t) for t in prompts):
-            return [parse_prompt(prompts)]  # one token prompt
+        if prompts and all(isinstance(t, numbers.Number) for t in prompts):
+            return [parse_prompt(prompts)]  # one token prompt (a float in it is refused there, by position)
         return [parse_prompt(p, f"prompts[{i}]") for i, p in enumerate(prompts)]
     raise _bad("prompts", prompts, f"one prompt ({PROMPT_FORMS}) or a list of them")
 

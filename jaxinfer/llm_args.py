@@ -188,7 +188,7 @@ def resolve_llm_args(given: Mapping[str, Any], *, where: str = "LLM argument ") 
         name = _canonical(key, value, where)
         if name is None or _is_default(value, defaults[name]):
             continue  # a default (LLM passes every keyword) never conflicts with an alias
-        if name in explicit and values[name] != value:
+        if name in explicit and not _is_default(value, values[name]):
             raise InvalidInput(f"{where}{key} and {name} are the same setting; pass one of them.", field=key,
                                value=value)
         values[name] = value
@@ -206,7 +206,13 @@ def resolve_llm_args(given: Mapping[str, Any], *, where: str = "LLM argument ") 
 
 
 def _is_default(value: Any, default: Any) -> bool:
-    return value is default or (type(value) is type(default) and value == default)
+    """Same value and type (True is not 1); safe for values such as arrays whose == is not a bool."""
+    if value is default:
+        return True
+    try:
+        return type(value) is type(default) and bool(value == default)
+    except (TypeError, ValueError):
+        return False
 
 
 def _canonical(key: Any, value: Any, where: str) -> str | None:
@@ -217,12 +223,12 @@ def _canonical(key: Any, value: Any, where: str) -> str | None:
         return ALIASES[key]
     if key in NO_EFFECT:
         default, why = NO_EFFECT[key]
-        if value != default:
+        if not _is_default(value, default):
             _notice(f"{where}{key}={value!r} has no effect: {why}.")
         return None
     if key in REFUSED:
         default, instead = REFUSED[key]
-        if value == default:
+        if _is_default(value, default):
             return None
         raise InvalidInput(f"{where}{key}={value!r} is not supported: {instead}.", field=key, value=value,
                            accepted=repr(default))

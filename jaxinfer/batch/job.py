@@ -90,8 +90,8 @@ def job_from_dict(data: dict[str, Any], source: str) -> BatchJob:
         top = dict(data)
         for name, cls in _SECTIONS.items():
             if name in top:
-                top[name] = cls.from_dict(top[name] or {}, section=name)
-        top["engine"] = top.get("engine") or {}
+                top[name] = cls.from_dict({} if top[name] is None else top[name], section=name)
+        top["engine"] = {} if top.get("engine") is None else top["engine"]
         job = BatchJob.from_dict(top, section="job")
         job.base_sampling  # noqa: B018 - validates the sampling section now, not after the model loaded
         resolve_llm_args(job.llm_kwargs, where="engine.")

@@ -213,7 +213,7 @@ def _fill_row(cols: dict[str, np.ndarray], row: int, p: Any, vocab_size: int, st
     cols["step"][row] = step
     _fill_bias(cols, row, _get(p, "logit_bias", {}), vocab_size)
     min_tokens = int(_get(p, "min_tokens", 0))
-    cols["min_tokens"][row] = min_tokens
+    cols["min_tokens"][row] = min(min_tokens, np.iinfo(np.int32).max)  # vLLM sets no upper bound
     if min_tokens > 0:
         _fill_stop_ids(cols, row, _stop_ids(p, eos_ids))
     allowed = _get(p, "allowed_token_ids", None)
