@@ -72,9 +72,9 @@ def cmd_generate(args: argparse.Namespace) -> int:
     from jaxinfer import SamplingParams
     from jaxinfer.chat import chat_prompts
 
-    llm = _llm(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+                            top_k=args.top_k, seed=args.seed)  # checked before the model loads
+    llm = _llm(args)
     prompts = args.prompt
     if args.chat:
         prompts = chat_prompts(llm.tokenizer, [[{"role": "user", "content": p}] for p in prompts])
