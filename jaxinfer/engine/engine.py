@@ -781,7 +781,8 @@ class Engine:
         stats = dict(self.scheduler.stats())
         after = None if self._compiles_at_warmup is None else self.runner.num_compiles - self._compiles_at_warmup
         stats.update(num_compiles_after_warmup=after, num_compiles=self.runner.num_compiles, num_steps=self.num_steps,
-                     num_overlapped_calls=self.num_overlapped_calls, step_time_s=dict(self.times.seconds))
+                     num_overlapped_calls=self.num_overlapped_calls, num_failed_steps=self.num_failed_steps,
+                     step_time_s=dict(self.times.seconds))
         return stats
 
 
