@@ -736,6 +736,8 @@ class Engine:
             for rid in wanted - set(results):
                 self.abort(rid)
             raise
+        if not self.scheduler.has_unfinished():
+            self.flush()  # a decode call launched ahead holds only finished rows: return with the device idle
         return [results[rid] for rid in ids]
 
     def stream(
