@@ -290,6 +290,8 @@ class EngineConfig(_FromDict):
             )
         if self.max_num_seqs < 1:
             raise ConfigError(f"EngineConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_model_len is not None and self.max_model_len < 2:  # 0 used to mean "the default" silently
+            raise ConfigError(f"EngineConfig.max_model_len must be None or >= 2, got {self.max_model_len}.")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"EngineConfig.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}."

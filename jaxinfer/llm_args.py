@@ -267,7 +267,7 @@ def resolve_model_name(model: Any) -> Any:
         _notice(f"model={model!r}: using the bundled checkpoint {alias!r} (from the {BUNDLED[alias][2]!r} "
                 "package, a quantized GGUF); nothing is downloaded.")
         return alias
-    if model is not None and not isinstance(model, str | Path) and type(model).__name__ != "ModelConfig":
+    if not isinstance(model, str | Path) and type(model).__name__ != "ModelConfig":
         raise InvalidInputType.of("LLM argument ", "model", model, "a path, a bundled alias, a preset name or a "
                                   "ModelConfig")
     return model

@@ -226,3 +226,13 @@ def test_config_json_problems_name_file_and_key(tmp_path, content: bytes, messag
     with pytest.raises(CheckpointError, match=message) as info:
         SafetensorsCheckpoint(tmp_path).config  # noqa: B018
     assert str(tmp_path / "config.json") in str(info.value)
+
+
+def test_model_argument_type() -> None:
+    from jaxinfer.llm_args import resolve_model_name
+
+    for bad in (None, 3, ["a"]):
+        with pytest.raises(InvalidInputType, match="LLM argument model must be a path"):
+            resolve_model_name(bad)
+    with pytest.warns(Notice, match="using the bundled checkpoint 'smollm2-135m-instruct'"):
+        assert resolve_model_name("HuggingFaceTB/SmolLM2-135M-Instruct") == "smollm2-135m-instruct"
