@@ -75,6 +75,7 @@ MAX_BAD_WORD_SEQS = 2 * MAX_BAD_WORDS  # W: each bad word is banned with and wit
 RECENT = MAX_BAD_WORD_TOKENS - 1  # R: generated tokens a row remembers, the longest bad word's prefix
 _NO_TOKEN = -2  # recent_tokens before the first generated token: equal to no id and to no prefix pad (-1)
 _BITS = 32  # prompt-presence bits per uint32 word
+_INT32_MAX = 2**31 - 1
 _SEED_MOD = 2**64
 _PRNG_IMPL = "threefry2x32"
 
@@ -213,7 +214,7 @@ def _fill_row(cols: dict[str, np.ndarray], row: int, p: Any, vocab_size: int, st
     cols["step"][row] = step
     _fill_bias(cols, row, _get(p, "logit_bias", {}), vocab_size)
     min_tokens = int(_get(p, "min_tokens", 0))
-    cols["min_tokens"][row] = min(min_tokens, np.iinfo(np.int32).max)  # vLLM sets no upper bound
+    cols["min_tokens"][row] = min(min_tokens, _INT32_MAX)  # vLLM sets no upper bound
     if min_tokens > 0:
         _fill_stop_ids(cols, row, _stop_ids(p, eos_ids))
     allowed = _get(p, "allowed_token_ids", None)
