@@ -1,4 +1,8 @@
-"""Command line: `jaxinfer generate | batch | bench | convert`."""
+"""Command line: `jaxinfer generate | batch | bench | convert`.
+
+Every user mistake (a bad argument, job file, record section, checkpoint or path) ends the command with one
+line on stderr naming what is wrong, and exit code 2; bad records inside a batch job do not end it (they go
+to the job's error file)."""
 
 from __future__ import annotations
 
@@ -17,6 +21,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--block-size", type=int, default=None, help="tokens per KV page (default 16)")
+    p.add_argument("--gpu-memory-utilization", type=float, default=None,
+                   help="share of each device's memory the engine may use (vLLM's meaning)")
     p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas_tpu", "pallas_gpu"])
 
 
@@ -57,18 +64,20 @@ def _llm(args: argparse.Namespace):  # noqa: ANN202 - imported lazily: JAX start
         args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, attention_impl=args.attention_impl,
+        block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
     )
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from jaxinfer import SamplingParams
+    from jaxinfer.chat import chat_prompts
 
-    llm = _llm(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, seed=args.seed)
+                            top_k=args.top_k, seed=args.seed)  # checked before the model loads
+    llm = _llm(args)
     prompts = args.prompt
     if args.chat:
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=True) for p in prompts]
+        prompts = chat_prompts(llm.tokenizer, [[{"role": "user", "content": p}] for p in prompts])
     if args.stream:
         for out in llm.stream(prompts[:1], params):
             print(out.outputs[0].delta_text, end="", flush=True)
@@ -110,9 +119,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 "bench": lambda a: cmd_bench(a, argv)}
     try:
         return handlers[args.command](args)
-    except (ConfigError, CheckpointError, ValueError, FileNotFoundError) as e:
-        print(f"jaxinfer {args.command}: error: {e}", file=sys.stderr)
+    except (ConfigError, CheckpointError, ValueError, OSError) as e:  # user mistakes: one line, no traceback
+        print(f"jaxinfer {args.command}: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print(f"jaxinfer {args.command}: interrupted", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

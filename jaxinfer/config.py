@@ -6,14 +6,27 @@ rejects unknown keys by name, so a typo in a job file fails at load time instead
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import enum
 import types
 import typing
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Self
 
 import yaml
+
+from jaxinfer.errors import ConfigError, InvalidInput, InvalidInputType
+from jaxinfer.validation import (
+    RequestOutputKind,
+    check_sampling_fields,
+    is_int,
+    is_real,
+    normalized_sampling_fields,
+)
+
+__all__ = ["ConfigError", "InvalidInput", "InvalidInputType", "RequestOutputKind", "SamplingParams"]
 
 
 class DType(enum.Enum):
@@ -28,12 +41,20 @@ class RopeScaling(enum.Enum):
     LINEAR = "linear"
 
 
-class ConfigError(ValueError):
-    """A config field holds a value outside what the field accepts."""
-
-
 def _coerce(field_name: str, annotation: Any, value: Any) -> Any:
-    """Turn a YAML scalar/list into the annotated type (enums from strings, tuples from lists)."""
+    """Turn a YAML scalar/list into the annotated type (enums from strings, tuples from lists); a value of
+    another type is an InvalidInputType naming the field (a string where a number belongs, a list for a
+    flag), so a typo in a job file fails at load time rather than inside the engine."""
+    value = _convert(field_name, annotation, value)
+    if not _type_ok(annotation, value):
+        raise InvalidInputType(
+            f"{field_name} must be {_describe(annotation)}, got {value!r}.", field=field_name, value=value,
+            accepted=_describe(annotation),
+        )
+    return value
+
+
+def _convert(field_name: str, annotation: Any, value: Any) -> Any:
     origin = typing.get_origin(annotation)
     args = typing.get_args(annotation)
     if value is None:
@@ -41,7 +62,7 @@ def _coerce(field_name: str, annotation: Any, value: Any) -> Any:
     if origin in (typing.Union, types.UnionType):
         non_none = [a for a in args if a is not type(None)]
         if len(non_none) == 1:
-            return _coerce(field_name, non_none[0], value)
+            return _convert(field_name, non_none[0], value)
         return value
     if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
         if isinstance(value, annotation):
@@ -58,6 +79,56 @@ def _coerce(field_name: str, annotation: Any, value: Any) -> Any:
     return value
 
 
+def _type_ok(annotation: Any, value: Any) -> bool:
+    """Whether `value` has the annotated type (ints count as floats; numpy scalars as Python ones)."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if annotation is Any:
+        return True
+    if origin in (typing.Union, types.UnionType):
+        return any(_type_ok(a, value) for a in args)
+    if annotation is type(None):
+        return value is None
+    simple = {bool: lambda v: isinstance(v, bool), int: is_int, float: is_real, str: lambda v: isinstance(v, str)}
+    if annotation in simple:
+        return simple[annotation](value)
+    if origin is tuple:
+        return isinstance(value, tuple) and all(_type_ok(args[0], v) for v in value)
+    if origin in (dict, Mapping):
+        return isinstance(value, Mapping)
+    return not isinstance(annotation, type) or isinstance(value, annotation)
+
+
+def _describe(annotation: Any) -> str:
+    """Human name of a type annotation, for error messages."""
+    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
+    if origin in (typing.Union, types.UnionType):
+        return " or ".join(_describe(a) for a in args)
+    if annotation is type(None):
+        return "null"
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return "one of " + ", ".join(repr(m.value) for m in annotation)
+    names = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+    if annotation in names:
+        return names[annotation]
+    if origin is tuple:
+        return f"a list of {_describe(args[0])}s"
+    if origin in (dict, Mapping):
+        return "a mapping"
+    return getattr(annotation, "__name__", str(annotation))
+
+
+def _check_field_types(obj: Any) -> None:
+    """Every field of a config dataclass built directly (not through from_dict) has its annotated type."""
+    cls = type(obj)
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(obj):
+        value = getattr(obj, f.name)
+        if not _type_ok(hints[f.name], value):
+            name = f"{cls.__name__}.{f.name}"
+            raise InvalidInputType(f"{name} must be {_describe(hints[f.name])}, got {value!r}.", field=f.name,
+                                   value=value, accepted=_describe(hints[f.name]))
+
+
 class _FromDict:
     """Mixin: strict construction from a mapping (YAML section)."""
 
@@ -65,10 +136,11 @@ class _FromDict:
     def from_dict(cls, data: dict[str, Any], *, section: str | None = None) -> Self:
         name = section or cls.__name__
         if not isinstance(data, dict):
-            raise ConfigError(f"{name}: expected a mapping, got {type(data).__name__}.")
+            raise InvalidInputType(f"{name}: expected a mapping, got {type(data).__name__}.", field=name, value=data,
+                                   accepted="a mapping")
         hints = typing.get_type_hints(cls)
         known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
-        unknown = sorted(set(data) - known)
+        unknown = sorted(set(data) - known, key=str)  # YAML keys may be numbers too
         if unknown:
             raise ConfigError(
                 f"{name}: unknown key(s) {', '.join(map(repr, unknown))}; "
@@ -124,6 +196,7 @@ class ModelConfig(_FromDict):
     mlp_only_layers: tuple[int, ...] | None = None  # Qwen3-MoE: layers that stay dense whatever the step
 
     def __post_init__(self) -> None:
+        _check_field_types(self)
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"ModelConfig.{name} must be >= 1, got {getattr(self, name)}.")
@@ -204,11 +277,15 @@ class CacheConfig(_FromDict):
     """Paged KV cache sizing (see docs/ARCHITECTURE.md for the layout)."""
 
     page_size: int = 16
-    num_pages: int | None = None  # None: derived from memory_fraction of free device memory
-    memory_fraction: float = 0.5
+    num_pages: int | None = None  # None: derived from gpu_memory_utilization, else memory_fraction
+    # vLLM's meaning: the share of each device's total memory the engine may use; the KV cache gets what is
+    # left of it after the weights. None: use memory_fraction instead.
+    gpu_memory_utilization: float | None = None
+    memory_fraction: float = 0.5  # the older setting: this share of the memory still free after the weights
     dtype: DType | None = None  # None: same as the model dtype
 
     def __post_init__(self) -> None:
+        _check_field_types(self)
         if self.page_size < 1:
             raise ConfigError(f"CacheConfig.page_size must be >= 1, got {self.page_size}.")
         if self.num_pages is not None and self.num_pages < 2:
@@ -217,6 +294,9 @@ class CacheConfig(_FromDict):
             )
         if not 0.0 < self.memory_fraction <= 1.0:
             raise ConfigError(f"CacheConfig.memory_fraction must be in (0, 1], got {self.memory_fraction}.")
+        util = self.gpu_memory_utilization
+        if util is not None and not 0.0 < util <= 1.0:
+            raise ConfigError(f"CacheConfig.gpu_memory_utilization must be in (0, 1], got {util}.")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -235,12 +315,14 @@ class EngineConfig(_FromDict):
     interpret: bool = False
 
     def __post_init__(self) -> None:
+        _check_field_types(self)
         for name in ("tensor_parallel_size", "data_parallel_size", "expert_parallel_size", "sequence_parallel_size"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"EngineConfig.{name} must be an integer >= 1, got {value!r}.")
+            if getattr(self, name) < 1:
+                raise ConfigError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}.")
         if self.max_num_seqs < 1:
             raise ConfigError(f"EngineConfig.max_num_seqs must be >= 1, got {self.max_num_seqs}.")
+        if self.max_model_len is not None and self.max_model_len < 2:  # 0 used to mean "the default" silently
+            raise ConfigError(f"EngineConfig.max_model_len must be None or >= 2, got {self.max_model_len}.")
         if self.max_num_batched_tokens < 1:
             raise ConfigError(
                 f"EngineConfig.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}."
@@ -254,13 +336,22 @@ class EngineConfig(_FromDict):
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class SamplingParams(_FromDict):
-    """Per-request generation settings. All of them are data on device: changing them never recompiles."""
+    """Per-request generation settings, named and defaulted as in vLLM. All of them are data on device:
+    changing them never recompiles.
+
+    Lists may be given as lists, tuples or 1-D arrays and are stored as tuples; `None` for a list field means
+    empty; `stop` and `bad_words` may be one string. Every field's accepted range is in
+    `jaxinfer.validation.SAMPLING_RULES` (and docs/RELIABILITY.md); a bad value raises `InvalidInput` (a
+    `ConfigError`/`ValueError`, or also a `TypeError` for a wrong type) naming the field. Checks that need
+    the model (vocabulary, max_model_len, EOS ids, the tokenizer) run again when a request is added.
+    Frozen, unlike vLLM's: use `clone()` or `replace(...)` for a changed copy, so a validated object stays valid.
+    """
 
     n: int = 1
-    max_tokens: int = 16
-    min_tokens: int = 0
+    max_tokens: int | None = 16  # None: up to max_model_len
+    min_tokens: int = 0  # EOS, stop ids and stop strings are ignored until this many tokens are out
     temperature: float = 1.0
-    top_k: int = -1
+    top_k: int = -1  # -1 or 0: off
     top_p: float = 1.0
     min_p: float = 0.0
     repetition_penalty: float = 1.0
@@ -270,25 +361,48 @@ class SamplingParams(_FromDict):
     seed: int | None = None
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
+    include_stop_str_in_output: bool = False  # keep the matched stop string (or stop token's text) in the text
     ignore_eos: bool = False
-    logprobs: int | None = None
+    logprobs: int | None = None  # top alternatives per generated token (the sampled token is always included)
     prompt_logprobs: int | None = None
+    detokenize: bool = True  # False: token ids only, no text (and no stop strings)
     skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True  # as with HF fast tokenizers, no effect (see RELIABILITY.md)
+    truncate_prompt_tokens: int | None = None  # keep only the last N prompt tokens; -1: max_model_len - 1
+    allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
+    bad_words: tuple[str, ...] = ()  # never generated, as token sequences (with and without a leading space)
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    extra_args: dict[str, Any] | None = None  # carried along untouched, for the caller's own use
 
     def __post_init__(self) -> None:
-        # Scalar checks that need no model knowledge; vocab-dependent checks happen at admission.
-        if isinstance(self.stop, str):
-            object.__setattr__(self, "stop", (self.stop,))
-        if self.max_tokens < 1:
-            raise ConfigError(f"SamplingParams.max_tokens must be >= 1, got {self.max_tokens}.")
-        from jaxinfer.engine.sampling import check_knobs  # the one definition of the knobs' ranges
+        values = normalized_sampling_fields(self)
+        for name, value in values.items():
+            object.__setattr__(self, name, value)
+        check_sampling_fields(values)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any], *, section: str | None = None) -> Self:
+        """Strict construction from a mapping (a YAML section or a JSON record's overrides); errors name the
+        section and the field."""
+        name = section or cls.__name__
+        if not isinstance(data, Mapping):
+            raise InvalidInputType(f"{name}: expected a mapping of SamplingParams fields, got "
+                                   f"{type(data).__name__}.", field=name, value=data, accepted="a mapping")
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known, key=str)
+        if unknown:
+            raise InvalidInput(f"{name}: unknown key(s) {', '.join(map(repr, unknown))}; allowed keys are "
+                               f"{', '.join(sorted(known))}.", field=str(unknown[0]), value=data[unknown[0]])
         try:
-            check_knobs(self)
-        except ValueError as e:
-            raise ConfigError(str(e)) from None
-        if self.n < 1:
-            raise ConfigError(f"SamplingParams.n must be >= 1, got {self.n}.")
+            return cls(**data)
+        except InvalidInput as e:
+            if section is None:
+                raise
+            raise type(e)(f"{section}: {e}", field=e.field, value=e.value, accepted=e.accepted) from None
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (vLLM's name); the dict fields are not shared with the original."""
+        return copy.deepcopy(self)
 
     @property
     def greedy(self) -> bool:
@@ -296,9 +410,15 @@ class SamplingParams(_FromDict):
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:
-    """Read a YAML mapping; a file that is not a mapping is an error naming the file."""
-    with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f)
+    """Read a YAML mapping; an unreadable, non-UTF-8 or malformed file, or one that is not a mapping, is an
+    error naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: cannot read the file ({e}).") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: invalid YAML ({' '.join(str(e).split())}).") from None
     if data is None:
         return {}
     if not isinstance(data, dict):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import numpy as np
 
 from jaxinfer import distributed
 
+from jaxinfer.chat import HFStyleTokenizer, chat_prompts
 from jaxinfer.checkpoint import open_checkpoint
 from jaxinfer.config import (
     CacheConfig,
@@ -22,8 +24,11 @@ from jaxinfer.config import (
     ModelConfig,
     model_config_from_yaml,
 )
+from jaxinfer.errors import InvalidInput, Notice
 from jaxinfer.kv_cache import allocate_kv_cache, bytes_per_page
+from jaxinfer.llm_args import DTYPE_NAMES, LLMArgs, check_model_limits, resolve_llm_args, resolve_model_name
 from jaxinfer.models import family_for_config
+from jaxinfer.outputs import RequestOutput
 from jaxinfer.params import init_params
 from jaxinfer.presets import BUNDLED, bundled_checkpoint, is_alias, load_preset
 from jaxinfer.sharding import make_mesh, mesh_rules
@@ -92,24 +97,34 @@ def use_compilation_cache(setting: str | Path | None) -> Path | None:
 
 
 class LLM:
-    """Offline generation over a jitted, paged, continuously batched engine."""
+    """Offline generation over a jitted, paged, continuously batched engine, with vLLM's offline API.
+
+    Arguments are vLLM's names where vLLM has the concept (see jaxinfer.llm_args for what each accepts, the
+    older names kept as aliases, and the vLLM arguments that only give a notice or a clear error).
+    """
 
     def __init__(
         self,
         model: str | Path | ModelConfig,
         *,
-        dtype: str = "float32",
+        tokenizer: str | Path | None = None,
+        dtype: str = "auto",
+        seed: int | None = 0,
+        max_model_len: int | None = None,
+        gpu_memory_utilization: float | None = None,
+        max_num_seqs: int = 16,
+        max_num_batched_tokens: int = 512,
+        block_size: int | None = None,
+        enable_prefix_caching: bool = True,
         tensor_parallel_size: int = 1,
         data_parallel_size: int = 1,
         expert_parallel_size: int = 1,
         sequence_parallel_size: int = 1,
-        max_model_len: int | None = None,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 512,
-        page_size: int = 16,
+        quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
+        enforce_eager: bool = False,
         num_pages: int | None = None,
-        memory_fraction: float = 0.5,
-        enable_prefix_caching: bool = True,
+        memory_fraction: float | None = None,
         decode_steps_per_call: int = 1,
         overlap_decode: bool = True,
         compile_threads: int | None = None,
@@ -117,52 +132,57 @@ class LLM:
         attention_impl: str = "auto",
         interpret: bool = False,
         random_weights: bool = False,
-        seed: int = 0,
-        tokenizer: str | Path | None = None,
         warmup: bool = True,
         use_tqdm: bool = True,
+        **kwargs: Any,  # page_size (= block_size), and vLLM arguments that need a notice or an error
     ) -> None:
+        # Every keyword above goes through the one checked table (jaxinfer.llm_args.LLM_ARG_RULES).
+        given = {k: v for k, v in locals().items() if k not in ("self", "model", "kwargs", "__class__")}
+        args = self.args = resolve_llm_args({**given, **kwargs})
+        model = resolve_model_name(model)
         self.engine_config = EngineConfig(
-            dtype=DType(dtype),
-            tensor_parallel_size=tensor_parallel_size,
-            data_parallel_size=data_parallel_size,
-            expert_parallel_size=expert_parallel_size,
-            sequence_parallel_size=sequence_parallel_size,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            attention_impl=attention_impl,
-            interpret=interpret,
+            dtype=resolve_dtype(args.dtype),
+            tensor_parallel_size=args.tensor_parallel_size,
+            data_parallel_size=args.data_parallel_size,
+            expert_parallel_size=args.expert_parallel_size,
+            sequence_parallel_size=args.sequence_parallel_size,
+            max_model_len=args.max_model_len,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            attention_impl=args.attention_impl,
+            interpret=args.interpret,
         )
-        self.cache_config = CacheConfig(page_size=page_size, num_pages=num_pages, memory_fraction=memory_fraction)
-        self.decode_steps_per_call = decode_steps_per_call
-        self.overlap_decode = overlap_decode
-        self.compile_threads = compile_threads
-        self.compilation_cache_dir = use_compilation_cache(compilation_cache_dir)
+        self.cache_config = CacheConfig(page_size=args.block_size, num_pages=args.num_pages,
+                                        memory_fraction=args.memory_fraction,
+                                        gpu_memory_utilization=args.gpu_memory_utilization)
+        self.decode_steps_per_call = args.decode_steps_per_call
+        self.overlap_decode = args.overlap_decode
+        self.compile_threads = args.compile_threads
+        self.compilation_cache_dir = use_compilation_cache(args.compilation_cache_dir)
         checkpoint, preset = resolve_source(model)
-        if checkpoint is None and not random_weights:
+        if checkpoint is None and not args.random_weights:
             raise ConfigError(
                 f"{model!r} is a shape-only preset or config with no checkpoint; pass random_weights=True or a "
                 "checkpoint path."
             )
         self.model_config: ModelConfig = preset if checkpoint is None else checkpoint.config
+        check_model_limits(args, self.model_config.max_position_embeddings)
+        _check_quantization(args, checkpoint, self.engine_config.dtype)
         self.family = family_for_config(self.model_config)
         # Before any device work: a layout no head split can use, or more devices than exist, is refused here.
-        mesh_cfg = MeshConfig(data=data_parallel_size, tensor=tensor_parallel_size, expert=expert_parallel_size,
-                              seq=sequence_parallel_size)
+        mesh_cfg = MeshConfig(data=args.data_parallel_size, tensor=args.tensor_parallel_size,
+                              expert=args.expert_parallel_size, seq=args.sequence_parallel_size)
         self.rules = mesh_rules(self.model_config, mesh_cfg)
         self.mesh = make_mesh(mesh_cfg)
         self.replica_meshes = local_replicas(self.mesh)
         self.dtype = JNP_DTYPES[self.engine_config.dtype]
-        distributed.check_same_everywhere(
-            "the model and engine settings", self.model_config, self.engine_config, self.cache_config,
-            data_parallel_size, decode_steps_per_call, random_weights, seed)
-        self.weights = self._load_weights(checkpoint, random_weights, seed)
-        if checkpoint is None and tokenizer is None:
+        distributed.check_same_everywhere("the model and engine settings", self.model_config, args)
+        self.weights = self._load_weights(checkpoint, args.random_weights, args.seed or 0)
+        if checkpoint is None and args.tokenizer is None:
             self.tokenizer = None
         else:
-            self.tokenizer = load_model_tokenizer(checkpoint, tokenizer)
-        self._build_engines(enable_prefix_caching, warmup, use_tqdm)
+            self.tokenizer = load_model_tokenizer(checkpoint, args.tokenizer)
+        self._build_engines(args.enable_prefix_caching, args.warmup, args.use_tqdm)
 
     def _load_weights(self, checkpoint: Any, random_weights: bool, seed: int) -> Any:
         specs = self.family.param_specs(self.model_config, self.dtype)
@@ -171,14 +191,19 @@ class LLM:
         return checkpoint.load_weights(specs, self.mesh, self.rules)
 
     def _num_pages(self, mesh: Any) -> int:
-        """The configured page count, or `memory_fraction` of the free memory of the fullest device of
-        `mesh` (after the weights are placed), divided by what one page costs on each device."""
+        """The configured page count; or what gpu_memory_utilization of each device's memory leaves after the
+        weights; or memory_fraction of the memory still free after them. Per device of `mesh` (a page costs
+        each device its share of the heads), decided by the fullest device of any process."""
         cache = self.cache_config
         if cache.num_pages is not None:
             return cache.num_pages
         per_page = bytes_per_page(self.model_config, cache.page_size, self.dtype, mesh)
-        free = distributed.min_over_processes(free_device_memory(mesh))
-        return max(2, int(free * cache.memory_fraction) // per_page)
+        total, used = device_memory(mesh)
+        if cache.gpu_memory_utilization is not None:
+            pages = pages_for_utilization(cache.gpu_memory_utilization, per_page, total, used)
+        else:
+            pages = max(2, int((total - used) * cache.memory_fraction) // per_page)
+        return distributed.min_over_processes(pages)
 
     def _build_engines(self, prefix_caching: bool, warmup: bool, use_tqdm: bool) -> None:
         from jaxinfer.engine.replicas import DataParallelEngines, split_replicas
@@ -206,39 +231,64 @@ class LLM:
             runner, self.tokenizer, self.engine_config, self.cache_config,
             enable_prefix_caching=prefix_caching, use_tqdm=use_tqdm,
             decode_steps_per_call=self.decode_steps_per_call, overlap_decode=self.overlap_decode,
-            compile_threads=self.compile_threads,
+            compile_threads=self.compile_threads, seed=self.args.seed,
         )
-        if distributed.is_multiprocess():  # unseeded requests must draw the same seeds in every process
+        if self.args.seed is None and distributed.is_multiprocess():  # every process must draw the same seeds
             engine.reseed(distributed.shared_seed(int(np.random.default_rng().integers(2**62))))
         return engine
 
-    def generate(self, prompts: Any, sampling_params: Any = None, *, use_tqdm: bool | None = None) -> list[Any]:
-        """Generate for every prompt (strings or token-id lists); outputs come back in input order."""
-        return self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+    def get_tokenizer(self) -> HFStyleTokenizer:
+        """The tokenizer with transformers' signatures and defaults (encode, decode, apply_chat_template,
+        eos_token_id, vocab_size, ...), as vLLM's `get_tokenizer()` returns; `llm.tokenizer` is jaxinfer's own."""
+        if self.tokenizer is None:
+            raise InvalidInput("this model has no tokenizer (a shape-only preset); pass tokenizer=... to LLM.",
+                               field="tokenizer")
+        return HFStyleTokenizer(self.tokenizer)
 
-    def chat(self, messages: Any, sampling_params: Any = None, **kwargs: Any) -> list[Any]:
-        """Render conversations with the checkpoint's chat template, then generate."""
-        conversations = messages if messages and isinstance(messages[0], list) else [messages]
-        prompts = [
-            self.tokenizer.apply_chat_template(c, add_generation_prompt=True, tokenize=True) for c in conversations
-        ]
-        return self.generate(prompts, sampling_params, **kwargs)
+    def generate(self, prompts: Any, sampling_params: Any = None, *, use_tqdm: bool | None = None,
+                 priority: list[int] | None = None, lora_request: Any = None) -> list[RequestOutput]:
+        """Generate for every prompt (a string, token ids, {"prompt": ...}, {"prompt_token_ids": ...}, or a list
+        of them) with one SamplingParams or one per prompt; outputs come back complete, in input order."""
+        _no_lora(lora_request)
+        return self.engine.generate(prompts, sampling_params, use_tqdm=use_tqdm, priority=priority)
+
+    def chat(
+        self, messages: Any, sampling_params: Any = None, *, use_tqdm: bool | None = None, lora_request: Any = None,
+        chat_template: str | None = None, chat_template_content_format: str = "auto",
+        add_generation_prompt: bool = True, continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None, documents: Any = None,
+        chat_template_kwargs: dict[str, Any] | None = None,
+    ) -> list[RequestOutput]:
+        """Render one conversation (a list of {"role", "content"} messages) or a list of them with the chat
+        template, then generate; `RequestOutput.prompt` is the rendered text. vLLM's keywords and defaults;
+        chat_template_content_format is accepted for compatibility (text parts are always joined)."""
+        _no_lora(lora_request)
+        if chat_template_content_format not in ("auto", "string", "openai"):
+            raise InvalidInput.of("", "chat_template_content_format", chat_template_content_format,
+                                  "'auto', 'string' or 'openai'")
+        prompts = chat_prompts(
+            self.tokenizer, messages, chat_template=chat_template, add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message, chat_template_kwargs=chat_template_kwargs, tools=tools,
+            documents=documents,
+        )
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def stream(self, prompts: Any, sampling_params: Any = None) -> Any:
-        """Iterate over incremental outputs (`outputs[i].delta_text`) as the engine produces them."""
+        """Iterate over incremental outputs as the engine produces them (each request's output_kind decides
+        what they carry; with the default, `outputs[i].delta_text` is what is new)."""
         return self.engine.stream(prompts, sampling_params)
 
     # The add-request/step interface, for servers that run their own loop.
     def add_request(self, prompt: Any, sampling_params: Any = None, *, request_id: str | None = None,
                     priority: int = 0) -> str:
-        """Queue one request (validated now: a bad one raises ValueError and nothing else changes)."""
+        """Queue one request (checked now: a bad one raises InvalidInput naming the field, nothing else changes)."""
         return self.engine.add_request(prompt, sampling_params, request_id=request_id, priority=priority)
 
-    def step(self) -> list[Any]:
-        """One engine iteration; the outputs of every request that advanced (deltas in `delta_text`)."""
+    def step(self) -> list[RequestOutput]:
+        """One engine iteration; the outputs of every request that advanced (as its output_kind asks)."""
         return self.engine.step()
 
-    def abort(self, request_id: str) -> Any:
+    def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now and free its pages; returns its partial output (None if unknown)."""
         return self.engine.abort(request_id)
 
@@ -261,17 +311,52 @@ class LLM:
         return desc
 
 
-def free_device_memory(mesh: Any) -> int:
-    """Smallest free memory over this process's devices of `mesh` (memory stats exist only for addressable
-    devices); on CPU (no stats) a conservative 2 GiB."""
-    frees = []
+def resolve_dtype(name: str) -> DType:
+    """'auto': bfloat16 where it is fast (GPU, TPU), float32 on CPU; otherwise the named dtype."""
+    if name == "auto":
+        return DType.FLOAT32 if jax.default_backend() == "cpu" else DType.BFLOAT16
+    return DType(DTYPE_NAMES[name])
+
+
+def _check_quantization(args: LLMArgs, checkpoint: Any, dtype: DType) -> None:
+    if args.quantization != "gguf":
+        return
+    if not hasattr(checkpoint, "metadata"):  # only GGUF checkpoints carry GGUF metadata
+        raise InvalidInput.of("LLM argument ", "quantization", "gguf", "None for a checkpoint that is not a .gguf file")
+    warnings.warn(f"quantization='gguf': the GGUF weights are dequantized to {dtype.value} at load.", Notice,
+                  stacklevel=3)
+
+
+def _no_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise InvalidInput.of("", "lora_request", lora_request, "None (LoRA adapters are not supported yet)")
+
+
+def pages_for_utilization(utilization: float, per_page: int, total: int, used: int) -> int:
+    """KV pages that fit in `utilization` of a device's `total` memory after the `used` bytes already in use
+    (the weights): vLLM's gpu_memory_utilization. Refused when nothing is left for the KV cache."""
+    budget = int(total * utilization) - used
+    if budget < 2 * per_page:
+        raise InvalidInput.of(
+            "LLM argument ", "gpu_memory_utilization", utilization,
+            f"large enough to leave room for the KV cache: {utilization} of {total / 2**30:.1f} GiB is "
+            f"{total * utilization / 2**30:.2f} GiB and {used / 2**30:.2f} GiB are already in use")
+    return budget // per_page
+
+
+def device_memory(mesh: Any) -> tuple[int, int]:
+    """(bytes a device may use, bytes in use) of the device of `mesh` with the least room, among this
+    process's devices (memory stats exist only for addressable ones); on CPU (no stats) 2 GiB, none used."""
+    best = None
     for device in mesh.devices.flat:
         if device.process_index != jax.process_index():
             continue
         stats = device.memory_stats() or {}
         if "bytes_limit" in stats:
-            frees.append(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    return min(frees) if frees else 2 << 30
+            pair = (stats["bytes_limit"], stats.get("bytes_in_use", 0))
+            if best is None or pair[0] - pair[1] < best[0] - best[1]:
+                best = pair
+    return best or (2 << 30, 0)
 
 
 def local_replicas(mesh: Any) -> list[Any]:

@@ -36,6 +36,14 @@ BUNDLED: dict[str, tuple[str, Callable[[], Path | None], str]] = {
 }
 
 
+# Hugging Face hub ids of the bundled checkpoints, so scripts written for vLLM run unchanged; nothing is
+# downloaded, and LLM(...) says which local file stands in (a quantized GGUF, not the hub's weights).
+HUB_IDS: dict[str, str] = {
+    "HuggingFaceTB/SmolLM2-135M-Instruct": "smollm2-135m-instruct",
+    "google/gemma-3-270m": "gemma3-270m",
+}
+
+
 def preset_names() -> list[str]:
     return sorted(p.stem for p in (CONFIG_DIR / "models").glob("*.yaml"))
 

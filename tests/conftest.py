@@ -68,3 +68,21 @@ def gemma3(gemma3_path: Path):
     from jaxinfer.tokenizer import load_tokenizer
 
     return load_tokenizer(gemma3_path)
+
+
+TEXT_LLM_KW = dict(random_weights=True, max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32, block_size=16,
+                   num_pages=40, attention_impl="reference", use_tqdm=False, decode_steps_per_call=4)
+
+
+@pytest.fixture(scope="session")
+def text_llm(smollm2_path: Path):
+    """A tiny random Llama behind the public `LLM`, with SmolLM2's real tokenizer (vocabulary, special tokens,
+    chat template): real text, compiled in seconds, multi-step decode with overlap on. Shared by the modules
+    that test the front door; every test must leave it clean (nothing queued, every page free)."""
+    from jaxinfer import LLM
+    from jaxinfer.presets import load_preset
+
+    cfg = load_preset("smollm2-135m").replace(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                                               num_kv_heads=2, head_dim=16, tie_word_embeddings=False)
+    return LLM(cfg, tokenizer=smollm2_path, **TEXT_LLM_KW)
+

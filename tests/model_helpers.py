@@ -92,7 +92,6 @@ def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
-
 def run_to_completion(engine: Any) -> dict[str, Any]:
     """Step `engine` until nothing is unfinished; the final output of each request, by request id."""
     final = {}
@@ -101,3 +100,10 @@ def run_to_completion(engine: Any) -> dict[str, Any]:
             if out.finished:
                 final[out.request_id] = out
     return final
+
+
+def assert_clean(llm: Any) -> None:
+    """Nothing queued or running, every page free: the state every test must leave a shared LLM in."""
+    stats = llm.engine_stats()
+    assert stats["num_running"] == stats["num_waiting"] == 0 and not llm.engine.requests
+    assert stats["free_pages"] == stats["total_pages"] and not llm.has_unfinished()

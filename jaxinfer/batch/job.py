@@ -3,12 +3,14 @@
 ```yaml
 model: <path | alias>
 input:  {path: prompts.jsonl, prompt_field: prompt, id_field: id}   # or messages_field: messages (chat)
-output: {path: out.jsonl}
+output: {path: out.jsonl}   # error_path: defaults to out.errors.jsonl beside it
 sampling: {max_tokens: 128, temperature: 0.7, seed: 0}               # any SamplingParams field
-engine: {max_num_seqs: 64, dtype: bfloat16, tensor_parallel_size: 1}  # any engine field
+engine: {max_num_seqs: 64, dtype: bfloat16, tensor_parallel_size: 1}  # any LLM(...) argument
 ```
 Relative paths are relative to the current directory. The gin form binds the same sections as arguments
-of the configurable `batch_job` (see configs/jobs/quickstart.gin).
+of the configurable `batch_job` (see configs/jobs/quickstart.gin). Every section is checked when the job
+loads, before the model: `sampling` by SamplingParams' table, `engine` by the same check as LLM(...)
+(jaxinfer.llm_args), so a job fails in a second with one line naming the key, not after loading a model.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Any
 import gin
 
 from jaxinfer.config import ConfigError, SamplingParams, _FromDict, load_yaml
+from jaxinfer.llm_args import resolve_llm_args
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,26 +41,20 @@ class InputConfig(_FromDict):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OutputConfig(_FromDict):
     path: str
+    # Records that fail (validation or generation) go here with their id and message, and count as done on
+    # resume. None: <path without .jsonl>.errors.jsonl.
+    error_path: str | None = None
+
+    @property
+    def errors(self) -> str:
+        if self.error_path is not None:
+            return self.error_path
+        path = Path(self.path)
+        return str(path.with_name(f"{path.stem}.errors{path.suffix or '.jsonl'}"))
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineArgs(_FromDict):
-    """The `LLM(...)` keyword arguments a job may set."""
-
-    dtype: str = "float32"
-    tensor_parallel_size: int = 1
-    max_model_len: int | None = None
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 256
-    decode_steps_per_call: int = 1
-    overlap_decode: bool = True
-    compilation_cache_dir: str | None = "auto"
-    page_size: int = 16
-    num_pages: int | None = None
-    memory_fraction: float = 0.5
-    enable_prefix_caching: bool = True
-    attention_impl: str = "auto"
-    interpret: bool = False
+# Engine defaults of batch jobs where they differ from LLM(...)'s (kept from before the vLLM names).
+ENGINE_DEFAULTS: dict[str, Any] = {"dtype": "float32", "max_num_batched_tokens": 256}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -66,26 +63,38 @@ class BatchJob(_FromDict):
     input: InputConfig
     output: OutputConfig
     sampling: dict[str, Any] = dataclasses.field(default_factory=dict)
-    engine: EngineArgs = dataclasses.field(default_factory=EngineArgs)
+    engine: dict[str, Any] = dataclasses.field(default_factory=dict)  # LLM(...) keyword arguments
     max_in_flight: int = 256  # requests queued in the engine at once; bounds memory on huge inputs
+
+    def __post_init__(self) -> None:
+        if self.max_in_flight < 1:
+            raise ConfigError(f"job.max_in_flight must be >= 1, got {self.max_in_flight}.")
 
     @property
     def base_sampling(self) -> SamplingParams:
         return SamplingParams.from_dict(self.sampling, section="sampling")
 
+    @property
+    def llm_kwargs(self) -> dict[str, Any]:
+        return {**ENGINE_DEFAULTS, **self.engine}
 
-_SECTIONS = {"input": InputConfig, "output": OutputConfig, "engine": EngineArgs}
+
+_SECTIONS = {"input": InputConfig, "output": OutputConfig}
 
 
 def job_from_dict(data: dict[str, Any], source: str) -> BatchJob:
     """Validate every section; errors name the file and the offending key."""
     try:
+        if not isinstance(data, dict):
+            raise ConfigError(f"expected a mapping of job sections, got {type(data).__name__}.")
         top = dict(data)
         for name, cls in _SECTIONS.items():
             if name in top:
-                top[name] = cls.from_dict(top[name] or {}, section=name)
+                top[name] = cls.from_dict({} if top[name] is None else top[name], section=name)
+        top["engine"] = {} if top.get("engine") is None else top["engine"]
         job = BatchJob.from_dict(top, section="job")
         job.base_sampling  # noqa: B018 - validates the sampling section now, not after the model loaded
+        resolve_llm_args(job.llm_kwargs, where="engine.")
         return job
     except ConfigError as e:
         raise ConfigError(f"{source}: {e}") from None

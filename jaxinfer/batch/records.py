@@ -22,27 +22,35 @@ RecordSource = Callable[[Path], Sequence[dict[str, Any]]]
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     records = []
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}:{lineno}: invalid JSON ({e.msg}).") from None
-            if not isinstance(record, dict):
-                raise ConfigError(f"{path}:{lineno}: each line must be a JSON object.")
-            records.append(record)
+    try:
+        lines = path.read_text(encoding="utf-8").split("\n")  # not splitlines: U+2028 may sit in a JSON string
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}).") from None
+    except OSError as e:
+        raise ConfigError(f"input.path: cannot read {path} ({e.strerror}).") from None
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}:{lineno}: invalid JSON ({e.msg}).") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"{path}:{lineno}: each line must be a JSON object.")
+        records.append(record)
     return records
 
 
 def check_ids(records: Sequence[dict[str, Any]], id_field: str, source: str) -> None:
-    """Every record has an id and no id repeats; reported before any work starts."""
+    """Every record has a string or integer id and no id repeats; reported before any work starts (without
+    an id, a record could be neither written nor skipped on resume)."""
     seen: dict[Any, int] = {}
     for i, record in enumerate(records, 1):
         if id_field not in record:
             raise ConfigError(f"{source}: record {i} has no {id_field!r} field.")
         rid = record[id_field]
+        if not isinstance(rid, str | int) or isinstance(rid, bool):
+            raise ConfigError(f"{source}: record {i}: {id_field!r} must be a string or an integer, got {rid!r}.")
         if rid in seen:
             raise ConfigError(f"{source}: id {rid!r} appears twice (records {seen[rid]} and {i}).")
         seen[rid] = i
@@ -64,12 +72,15 @@ def load_records(path: Path, id_field: str, source: RecordSource = read_jsonl) -
 class ResumableWriter:
     """Append-only JSONL writer that knows which ids are already done."""
 
-    def __init__(self, path: Path, id_field: str = "id") -> None:
+    def __init__(self, path: Path, id_field: str = "id", setting: str = "output.path") -> None:
         self.path = path
         self.id_field = id_field
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.done = self._recover()
-        self._f = open(path, "a", encoding="utf-8")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            self.done = self._recover()
+            self._f = open(path, "a", encoding="utf-8")
+        except OSError as e:  # a read-only directory, a path through a file, ...
+            raise ConfigError(f"{setting}: cannot write {path} ({e.strerror or e}).") from None
 
     def _recover(self) -> set[Any]:
         """Ids in complete lines; a torn last line is truncated away."""
@@ -81,9 +92,13 @@ class ResumableWriter:
             with open(self.path, "r+b") as f:
                 f.truncate(keep)
         done = set()
-        for line in data[:keep].splitlines():
+        for lineno, line in enumerate(data[:keep].splitlines(), 1):
             if line.strip():
-                done.add(json.loads(line)[self.id_field])
+                try:
+                    done.add(json.loads(line)[self.id_field])
+                except (ValueError, KeyError, TypeError):
+                    raise ConfigError(f"{self.path}:{lineno}: not a record this job wrote; move the file away "
+                                      "or choose another output path.") from None
         return done
 
     def write(self, record: dict[str, Any]) -> None:

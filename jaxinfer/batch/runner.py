@@ -1,4 +1,10 @@
-"""Run a batch job: stream records through the engine, append results as requests finish, summarize."""
+"""Run a batch job: stream records through the engine, append results as requests finish, summarize.
+
+A job keeps going past bad records. A record that fails the checks at the door (its prompt, messages or
+sampling overrides; jaxinfer.engine.admission) or fails alone during generation (finish_reason "error") is
+written to the job's error file with its id and message, counts as done (a resumed job does not retry it),
+and the summary counts it; every other record is written to the output once.
+"""
 
 from __future__ import annotations
 
@@ -13,28 +19,36 @@ from tqdm.auto import tqdm
 
 from jaxinfer.batch.job import BatchJob, load_job
 from jaxinfer.batch.records import ResumableWriter, load_records, pending
-from jaxinfer.config import ConfigError, SamplingParams
-from jaxinfer.outputs import RequestOutput
+from jaxinfer.chat import chat_prompts
+from jaxinfer.config import SamplingParams
+from jaxinfer.errors import InvalidInput, InvalidInputType
+from jaxinfer.outputs import FinishReason, RequestOutput
 
 
 def record_params(job: BatchJob, record: dict[str, Any]) -> SamplingParams:
     """The job's sampling settings with the record's own overrides on top."""
-    overrides = record.get(job.input.sampling_field) or {}
-    merged = {**job.sampling, **overrides}
-    return SamplingParams.from_dict(merged, section=f"record {record[job.input.id_field]!r} sampling")
+    section = f"record {record[job.input.id_field]!r} sampling"
+    overrides = record.get(job.input.sampling_field)
+    if overrides is not None and not isinstance(overrides, dict):
+        raise InvalidInputType(f"{section}: expected an object of SamplingParams fields, got "
+                               f"{type(overrides).__name__}.", field=job.input.sampling_field, value=overrides)
+    return SamplingParams.from_dict({**job.sampling, **(overrides or {})}, section=section)
 
 
-def record_prompt(job: BatchJob, record: dict[str, Any], tokenizer: Any) -> str | list[int]:
+def record_prompt(job: BatchJob, record: dict[str, Any], tokenizer: Any) -> Any:
+    """The record's prompt in a form the engine checks (chat messages are rendered here)."""
     rid = record[job.input.id_field]
     if job.input.messages_field is not None:
-        messages = record.get(job.input.messages_field)
-        if not isinstance(messages, list):
-            raise ConfigError(f"record {rid!r}: {job.input.messages_field!r} must be a list of messages.")
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    prompt = record.get(job.input.prompt_field)
-    if not isinstance(prompt, str | list):
-        raise ConfigError(f"record {rid!r}: {job.input.prompt_field!r} must be a string or a list of token ids.")
-    return prompt
+        if job.input.messages_field not in record:
+            raise InvalidInput(f"record {rid!r} has no {job.input.messages_field!r} field.",
+                               field=job.input.messages_field)
+        try:
+            return chat_prompts(tokenizer, record[job.input.messages_field])[0]
+        except InvalidInput as e:
+            raise type(e)(f"record {rid!r}: {e}", field=e.field, value=e.value, accepted=e.accepted) from None
+    if job.input.prompt_field not in record:
+        raise InvalidInput(f"record {rid!r} has no {job.input.prompt_field!r} field.", field=job.input.prompt_field)
+    return record[job.input.prompt_field]
 
 
 def output_record(rid: Any, out: RequestOutput) -> dict[str, Any]:
@@ -44,9 +58,10 @@ def output_record(rid: Any, out: RequestOutput) -> dict[str, Any]:
         "text": first.text,
         "token_ids": first.token_ids,
         "finish_reason": first.finish_reason.value if first.finish_reason else None,
+        "stop_reason": first.stop_reason,
         "num_prompt_tokens": len(out.prompt_token_ids),
         "num_output_tokens": len(first.token_ids),
-        "metrics": out.metrics,
+        "metrics": dict(out.metrics or {}),
     }
     if len(out.outputs) > 1:
         record["n_outputs"] = [{"text": o.text, "token_ids": o.token_ids} for o in out.outputs]
@@ -58,6 +73,7 @@ class JobStats:
 
     def __init__(self) -> None:
         self.start = time.monotonic()
+        self.failed = 0
         self.requests = 0
         self.output_tokens = 0
         self.ttft: list[float] = []
@@ -75,6 +91,7 @@ class JobStats:
         pct = lambda xs, q: float(np.percentile(xs, q)) if xs else None  # noqa: E731
         return {
             "requests_completed": self.requests,
+            "requests_failed": self.failed,
             "requests_skipped_as_done": skipped,
             "elapsed_s": elapsed,
             "output_tokens": self.output_tokens,
@@ -93,38 +110,54 @@ def run_job(path: str | Path, *, use_tqdm: bool = True) -> dict[str, Any]:
     job = load_job(path)
     records = load_records(Path(job.input.path), job.input.id_field)
     out_path = Path(job.output.path)
-    with ResumableWriter(out_path) as writer:
-        todo = pending(records, writer.done, job.input.id_field)
+    # Both files key their lines by "id" (whatever the input's id_field is called).
+    with ResumableWriter(out_path, "id", "output.path") as writer, \
+            ResumableWriter(Path(job.output.errors), "id", "output.error_path") as errors:
+        todo = pending(records, writer.done | errors.done, job.input.id_field)
         skipped = len(records) - len(todo)
         llm = _load_llm(job, use_tqdm) if todo else None
         stats = JobStats()
         if llm is not None:
-            _generate_all(job, llm, todo, writer, stats, use_tqdm)
+            _generate_all(job, llm, todo, _Sinks(writer, errors), stats, use_tqdm)
         summary = stats.summary(llm.engine_stats() if llm else {}, skipped)
     summary_path = out_path.with_suffix(".summary.json")
     summary_path.write_text(json.dumps(summary, indent=1), encoding="utf-8")
-    _print_report(out_path, summary)
+    _print_report(out_path, Path(job.output.errors), summary)
     return summary
 
 
-def _print_report(out_path: Path, summary: dict[str, Any], show: int = 8) -> None:
-    """A few finished texts (so a quick job shows its results) and the summary."""
+class _Sinks:
+    """Where finished records go: results to the output, failures (id + message) to the error file."""
+
+    def __init__(self, output: ResumableWriter, errors: ResumableWriter) -> None:
+        self.output, self.errors = output, errors
+
+    def error(self, rid: Any, message: str, stats: JobStats) -> None:
+        self.errors.write({"id": rid, "error": message})
+        stats.failed += 1
+
+
+def _print_report(out_path: Path, error_path: Path, summary: dict[str, Any], show: int = 8) -> None:
+    """A few finished texts (so a quick job shows its results), how many failed, and the summary."""
     lines = out_path.read_text(encoding="utf-8").splitlines()
     for line in lines[:show]:
         record = json.loads(line)
-        print(f"[{record['id']}] {record.get('text', record.get('error'))!s}".replace("\n", " "))
+        print(f"[{record['id']}] {record.get('text')!s}".replace("\n", " "))
     if len(lines) > show:
         print(f"... {len(lines) - show} more in {out_path}")
+    failed = error_path.read_text(encoding="utf-8").splitlines() if error_path.exists() else []
+    if failed:
+        print(f"{len(failed)} record(s) failed; their ids and messages are in {error_path}")
     print(json.dumps(summary, indent=1))
 
 
 def _load_llm(job: BatchJob, use_tqdm: bool) -> Any:
     from jaxinfer import LLM
 
-    return LLM(job.model, use_tqdm=use_tqdm, **vars(job.engine))
+    return LLM(job.model, **{"use_tqdm": use_tqdm, **job.llm_kwargs})
 
 
-def _generate_all(job: BatchJob, llm: Any, todo: list[dict[str, Any]], writer: ResumableWriter, stats: JobStats,
+def _generate_all(job: BatchJob, llm: Any, todo: list[dict[str, Any]], sinks: _Sinks, stats: JobStats,
                   use_tqdm: bool) -> None:
     """Keep up to job.max_in_flight requests in the engine; write each as soon as it finishes."""
     engine = llm.engine
@@ -134,19 +167,26 @@ def _generate_all(job: BatchJob, llm: Any, todo: list[dict[str, Any]], writer: R
     while queue or in_flight:
         while queue and len(in_flight) < job.max_in_flight:
             record = queue.popleft()
+            rid = record[job.input.id_field]
             try:
-                prompt = record_prompt(job, record, llm.tokenizer)
-                rid = engine.add_request(prompt, record_params(job, record))
-            except ValueError as e:  # one bad record is reported in the output; the job goes on
-                writer.write({"id": record[job.input.id_field], "error": str(e), "finish_reason": "error"})
+                request_id = engine.add_request(record_prompt(job, record, llm.tokenizer), record_params(job, record))
+            except InvalidInput as e:  # refused at the door: reported, not retried, and the job goes on
+                sinks.error(rid, str(e), stats)
                 bar.update(1)
                 continue
-            in_flight[rid] = record[job.input.id_field]
+            in_flight[request_id] = rid
         for out in engine.step():
             if out.finished and out.request_id in in_flight:
-                writer.write(output_record(in_flight.pop(out.request_id), out))
-                stats.add(out, out.inter_token_latencies)
+                _write_finished(sinks, in_flight.pop(out.request_id), out, stats)
                 bar.update(1)
                 bar.set_postfix(tok_s=f"{stats.output_tokens / max(time.monotonic() - stats.start, 1e-9):.1f}")
     bar.close()
+
+
+def _write_finished(sinks: _Sinks, rid: Any, out: RequestOutput, stats: JobStats) -> None:
+    if out.finish_reason == FinishReason.ERROR:  # failed alone during generation
+        sinks.error(rid, out.error or "failed during generation", stats)
+        return
+    sinks.output.write(output_record(rid, out))
+    stats.add(out, out.inter_token_latencies)
 

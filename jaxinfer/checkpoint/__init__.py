@@ -20,7 +20,8 @@ def open_checkpoint(path: str | Path) -> Any:
             raise CheckpointError(f"{p}: model files must be .gguf; for safetensors pass the directory.")
         return GGUFCheckpoint(p)
     if not p.is_dir():
-        raise CheckpointError(f"{p}: no such file or directory.")
+        raise CheckpointError(f"{p}: no such file or directory (models are local paths, bundled aliases or "
+                              "presets; nothing is downloaded).")
     if (p / ORBAX_MARKER).is_file():
         return OrbaxCheckpoint(p)
     if (p / "config.json").is_file():

@@ -34,20 +34,23 @@ import itertools
 import sys
 import time
 from collections.abc import Callable, Iterator, Sequence
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from tqdm.auto import tqdm
 
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingParams
+from jaxinfer.engine.admission import Admission, Gate, in_batch, per_prompt
 from jaxinfer.engine.batcher import MIN_TOKEN_BUCKET, BatchShape, SeqChunk, bucket, buckets_up_to, pack, pow2_ceil
 from jaxinfer.engine.detokenize import IncrementalDetokenizer
+from jaxinfer.engine.logprobs import TokenTexts, collect_prompt_logprobs, sample_logprobs
 from jaxinfer.engine.request import RequestState, SeqOutput
 from jaxinfer.engine.runner import DecodeInputs, ModelRunner, MultiStepOutput, SampleInputs, StepBatch, StepOutput
 from jaxinfer.engine.sampling import (
-    MAX_LOGPROBS,
     MAX_STOP_IDS,
     PenaltyState,
     PromptLogprobs,
@@ -55,15 +58,16 @@ from jaxinfer.engine.sampling import (
     SamplingArrays,
     resolve_seed,
     set_rows,
-    validate_sampling_params,
 )
-from jaxinfer.engine.scheduler import RequestRejected, ScheduledSeq, Scheduler, StepPlan
+from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
 from jaxinfer.engine.sequence import FinishReason, SeqKey, SequenceGroup
-from jaxinfer.outputs import RequestOutput
+from jaxinfer.errors import InvalidInput
+from jaxinfer.inputs import parse_prompts
+from jaxinfer.outputs import Logprob, RequestOutput
 from jaxinfer.sharding import replicated
+from jaxinfer.validation import MAX_N, RequestOutputKind
 
 DEFAULT_MAX_MODEL_LEN = 4096  # when the model allows more; the page table width scales with it
-MAX_N = 16
 
 
 def _uses_penalties(p: SamplingParams) -> bool:
@@ -152,6 +156,7 @@ class Engine:
         decode_steps_per_call: int = 1,
         overlap_decode: bool = True,
         compile_threads: int | None = None,
+        seed: int | None = None,
     ) -> None:
         self.runner, self.tokenizer, self.use_tqdm = runner, tokenizer, use_tqdm
         self.decode_steps_per_call = _at_least_one("decode_steps_per_call", decode_steps_per_call)
@@ -188,9 +193,12 @@ class Engine:
         empty = PenaltyState.from_tokens([], [], engine_cfg.max_num_seqs + 1, cfg.vocab_size)
         self.penalties = jax.device_put(empty, runner.penalty_sharding())
         self._reset_rows = jax.jit(set_rows, donate_argnums=(0,))
+        self.gate = Gate(tokenizer, cfg.vocab_size, self.max_model_len, self.eos_ids)
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
-        self._rng = np.random.default_rng()
+        self._rng = np.random.default_rng(seed)  # the seeds of unseeded requests: reproducible per engine seed
+        self._token_texts = TokenTexts(tokenizer)  # Logprob.decoded_token, decoded once per id
+        self.num_failed_steps = 0  # device calls that raised (their requests failed, the engine was reset)
         self._compiles_at_warmup: int | None = None
         self.num_steps = 0
         self.num_overlapped_calls = 0  # decode calls launched before the host read the previous one
@@ -227,50 +235,31 @@ class Engine:
     # ------------------------------------------------------------------------------------------ requests
 
     def add_request(
-        self, prompt: str | Sequence[int], params: SamplingParams | None = None, *, request_id: str | None = None,
+        self, prompt: Any, params: SamplingParams | None = None, *, request_id: str | None = None,
         priority: int = 0,
     ) -> str:
-        """Validate and queue one request; a bad request raises ValueError and nothing else is affected."""
-        params = params or SamplingParams()
-        text, ids = self._encode(prompt)
-        self._validate(ids, params)
-        rid = request_id if request_id is not None else f"req-{next(self._ids)}"
-        group = SequenceGroup.create(rid, ids, n=params.n, priority=priority, max_tokens=params.max_tokens)
+        """Validate and queue one request; a bad request raises InvalidInput (a ValueError) naming the field,
+        and nothing else is affected."""
+        return self._queue(self.gate.admit(prompt, params, request_id=request_id, priority=priority))
+
+    def _queue(self, adm: Admission, output_kind: RequestOutputKind | None = None) -> str:
+        rid = adm.request_id if adm.request_id is not None else f"req-{next(self._ids)}"
+        params = adm.params
+        group = SequenceGroup.create(rid, adm.prompt_token_ids, n=params.n, priority=adm.priority,
+                                     max_tokens=adm.max_tokens)
         # Prompt logprobs need every prompt position computed, so such requests skip prefix-cache lookups.
         self.scheduler.add(group, use_prefix_cache=params.prompt_logprobs is None)  # may raise RequestRejected
-        self.requests[rid] = self._new_state(rid, text, ids, params)
+        self.requests[rid] = self._new_state(rid, adm, output_kind or params.output_kind)
         return rid
 
-    def _encode(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this model has no tokenizer; pass prompts as token id lists.")
-            return prompt, self.tokenizer.encode(prompt)
-        return None, [int(t) for t in prompt]
-
-    def _validate(self, ids: list[int], params: SamplingParams) -> None:
-        if not ids:
-            raise RequestRejected("prompt is empty; it needs at least one token.")
-        bad = [t for t in ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise RequestRejected(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.vocab_size}).")
-        if len(ids) >= self.max_model_len:
-            raise RequestRejected(
-                f"prompt has {len(ids)} tokens; max_model_len={self.max_model_len} leaves no room to generate."
-            )
-        validate_sampling_params(params, self.vocab_size, MAX_LOGPROBS, MAX_N, eos_ids=sorted(self.eos_ids))
-        if params.stop and self.tokenizer is None:
-            raise RequestRejected("SamplingParams.stop needs a tokenizer to match stop strings; use stop_token_ids.")
-        if params.prompt_logprobs is not None and not 0 <= params.prompt_logprobs <= MAX_LOGPROBS:
-            raise RequestRejected(f"SamplingParams.prompt_logprobs must be in [0, {MAX_LOGPROBS}].")
-
-    def _new_state(self, rid: str, text: str | None, ids: list[int], params: SamplingParams) -> RequestState:
+    def _new_state(self, rid: str, adm: Admission, output_kind: RequestOutputKind) -> RequestState:
+        params, ids = adm.params, adm.prompt_token_ids
         seeds = [resolve_seed(params.seed, i, self._rng) for i in range(params.n)]
-        detoks = [
-            IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if self.tokenizer else None
-            for _ in range(params.n)
-        ]
-        return RequestState(rid, text, ids, params, seeds, [SeqOutput(d) for d in detoks], self.eos_ids)
+        text = self.tokenizer is not None and params.detokenize
+        detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if text else None
+                  for _ in range(params.n)]
+        return RequestState(rid, adm.prompt, ids, params, seeds, [SeqOutput(d) for d in detoks], self.eos_ids,
+                            adm.max_tokens, output_kind, adm.bad_words_ids)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its pages return to the pool and its partial output is returned."""
@@ -279,9 +268,12 @@ class Engine:
             self.slots.release(key)
         if state is None:
             return None
-        for i in range(len(state.seqs)):
-            state.finish(i, FinishReason.ABORT)
-        return state.to_output()
+        try:
+            for i in range(len(state.seqs)):
+                state.finish(i, FinishReason.ABORT)
+        except Exception as e:  # noqa: BLE001 - the abort stands; the output says what broke
+            state.fail(f"{type(e).__name__}: {e}")
+        return self._output(state)
 
     def has_unfinished(self) -> bool:
         # A decode call still in flight when nothing is unfinished holds only rows finished since its launch;
@@ -303,21 +295,31 @@ class Engine:
             now = time.monotonic()
             for entry in plan.seqs:
                 state = self.requests[entry.key[0]]
-                state.scheduled_time = state.scheduled_time or now
+                if state.scheduled_time is None:  # its first chunk starts after the prefix-cache hits
+                    state.scheduled_time, state.num_cached_tokens = now, entry.start_pos
             plan, num_iterations = self._decode_iterations(plan)
             slot_rows = self._slot_rows(plan)
             self.times.add("schedule", t)
             if num_iterations == 1:
-                shape = self.batch_shape(plan.num_batched_tokens)
-                out = self._run(shape, plan.seqs, plan.page_copies, slot_rows)
-                t = time.perf_counter()
-                touched = self._apply(plan, out.sampled, out.prompt, range(len(plan.seqs)))
-                self.num_steps += 1
-                outputs = self._emit(touched)
-                self.times.add("apply", t)
-                return outputs
-            self._inflight = self._dispatch_decodes(plan, slot_rows, num_iterations)
+                return self._single_step(plan, slot_rows)
+            try:
+                self._inflight = self._dispatch_decodes(plan, slot_rows, num_iterations)
+            except Exception as e:  # noqa: BLE001 - any failure of the device call fails its requests alone
+                return self._device_failed(plan, e)
         return self._retire_decodes()
+
+    def _single_step(self, plan: StepPlan, slot_rows: list[int]) -> list[RequestOutput]:
+        shape = self.batch_shape(plan.num_batched_tokens)
+        try:
+            out = self._run(shape, plan.seqs, plan.page_copies, slot_rows)
+        except Exception as e:  # noqa: BLE001
+            return self._device_failed(plan, e)
+        t = time.perf_counter()
+        touched = self._apply(plan, out.sampled, out.prompt, range(len(plan.seqs)))
+        self.num_steps += 1
+        outputs = self._emit(touched)
+        self.times.add("apply", t)
+        return outputs
 
     # ------------------------------------------------------------------------------------ multi-step decode
 
@@ -426,9 +428,12 @@ class Engine:
         t = time.perf_counter()
         follow = self._continuation(call) if self.overlap_decode and follow_on else None
         t = self.times.add("prepare", t)
-        out = self._await(call)
-        self._inflight = follow(out) if follow is not None else None
-        sampled, valid, counts = jax.device_get((out.sampled, out.valid, out.expert_counts))
+        try:
+            out = self._await(call)
+            self._inflight = follow(out) if follow is not None else None
+            sampled, valid, counts = jax.device_get((out.sampled, out.valid, out.expert_counts))
+        except Exception as e:  # noqa: BLE001
+            return self._device_failed(call.plan, e)
         self.expert_counts += counts
         t = self.times.add("device", t)
         with _prompt_gil_handoff(self._inflight is not None):
@@ -451,6 +456,10 @@ class Engine:
         """
         n, k = self.decode_steps_per_call, call.num_iterations
         if not self.scheduler.runs_only({e.key for e in call.plan.seqs}):
+            return None
+        # A continuation reuses the call's sampling arrays, whose recent tokens the host has not seen yet.
+        states = (self.requests.get(e.key[0]) for e in call.plan.seqs)
+        if any(s is not None and s.has_multi_token_bad_words for s in states):
             return None
         budget = np.maximum(call.decode.budget - k, 0)  # [S]
         entries, room, live = [], n, 0
@@ -494,7 +503,7 @@ class Engine:
         for row, e in enumerate(entries):
             state = self.requests[e.key[0]]
             generated = len(state.seqs[e.key[1]].token_ids)
-            budget[row] = min(state.params.max_tokens - generated, self.max_model_len - e.kv_len)
+            budget[row] = min(state.max_tokens - generated, self.max_model_len - e.kv_len)
             # The device only needs to stop early; the host checks every stop id again, so truncating is safe.
             ids = state.stop_ids()[:MAX_STOP_IDS]
             stop_ids[row, : len(ids)] = ids
@@ -562,14 +571,18 @@ class Engine:
     def _sample_inputs(
         self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int]
     ) -> SampleInputs:
-        params, steps, seeds = [], [], []
+        params, steps, seeds, bad, recent = [], [], [], [], []
         for e in entries:
             state = self.requests[e.key[0]]
+            generated = state.seqs[e.key[1]].token_ids
             params.append(state.params)
-            steps.append(len(state.seqs[e.key[1]].token_ids))
+            steps.append(len(generated))
             seeds.append(state.seeds[e.key[1]])
+            bad.append(state.bad_words_ids)
+            recent.append(generated if state.has_multi_token_bad_words else ())
         sampling = SamplingArrays.from_params(
-            params, shape.seqs, self.vocab_size, steps=steps, seeds=seeds, eos_ids=sorted(self.eos_ids)
+            params, shape.seqs, self.vocab_size, steps=steps, seeds=seeds, eos_ids=sorted(self.eos_ids),
+            bad_words=bad, recent=recent,
         )
         slot_arr = np.full(shape.seqs, self.slots.spare, np.int32)
         slot_arr[: len(slots)] = slots
@@ -603,7 +616,12 @@ class Engine:
         self, plan: StepPlan, out: SamplerOutput, prompt: PromptLogprobs | None, rows: Sequence[int]
     ) -> dict[str, RequestState]:
         """Hand one iteration's results (entry j of the plan is row rows[j] of `out`) to the request states
-        and the scheduler; returns the requests that advanced."""
+        and the scheduler; returns the requests that advanced.
+
+        Failure isolation: an exception while one request's output is handled (detokenizing, stop matching,
+        logprobs) fails that request alone (`_fail`: aborted in the scheduler, so `update` skips it and its
+        pages are freed) before the scheduler hears of its token; every other request proceeds exactly as
+        it would have."""
         sampled: dict[SeqKey, int] = {}
         finished: dict[SeqKey, FinishReason] = {}
         touched: dict[str, RequestState] = {}
@@ -611,79 +629,131 @@ class Engine:
         for row, entry in zip(rows, plan.seqs):
             state = self.requests[entry.key[0]]
             touched[state.request_id] = state
-            if prompt is not None:
-                self._collect_prompt_logprobs(state, entry, prompt, offset)
-            offset += len(entry.token_ids)
-            if not entry.sample:
+            start, offset = offset, offset + len(entry.token_ids)
+            if state.error is not None:
                 continue
-            token = int(out.tokens[row])
+            try:
+                if prompt is not None:
+                    self._collect_prompt_logprobs(state, entry, prompt, start)
+                if not entry.sample:
+                    continue
+                token = int(out.tokens[row])
+                top = self._top(state, out, row, token)
+                reason = state.on_token(entry.key[1], token, float(out.logprobs[row]), top)
+            except Exception as e:  # noqa: BLE001
+                self._fail(state, e)
+                continue
             sampled[entry.key] = token
-            reason = state.on_token(entry.key[1], token, float(out.logprobs[row]), self._top(state, out, row, token))
             if reason is not None:
                 finished[entry.key] = reason
         for key in self.scheduler.update(plan, sampled, finished):
             self.slots.release(key)
             state = self.requests[key[0]]
-            state.finish(key[1], finished.get(key, FinishReason.LENGTH))
+            try:
+                state.finish(key[1], finished.get(key, FinishReason.LENGTH))
+            except Exception as e:  # noqa: BLE001
+                self._fail(state, e)
         return touched
 
-    def _top(self, state: RequestState, out: SamplerOutput, row: int, token: int) -> dict[int, float] | None:
+    def _fail(self, state: RequestState, error: BaseException) -> None:
+        """Finish one request with "error" and free its pages; the others never notice."""
+        for key in self.scheduler.abort(state.request_id):
+            self.slots.release(key)
+        state.fail(f"{type(error).__name__}: {error}")
+
+    def _top(self, state: RequestState, out: SamplerOutput, row: int, token: int) -> dict[int, Logprob] | None:
         k = state.params.logprobs
-        if k is None:
-            return None
-        top = {int(i): float(lp) for i, lp in zip(out.top_ids[row][:k], out.top_logprobs[row][:k])}
-        top[token] = float(out.logprobs[row])
-        return top
+        return None if k is None else sample_logprobs(out, row, token, k, self._token_texts.for_request(state))
 
     def _collect_prompt_logprobs(
         self, state: RequestState, entry: ScheduledSeq, out: PromptLogprobs, offset: int
     ) -> None:
-        k = state.params.prompt_logprobs
-        if k is None or entry.key[1] != 0 or state.prompt_logprobs_done:
-            return
-        prompt = state.prompt_token_ids
-        if state.prompt_logprobs is None:
-            state.prompt_logprobs = [None] * len(prompt)
-        for j in range(len(entry.token_ids)):
-            pos = entry.start_pos + j
-            if pos + 1 < len(prompt):
-                row = offset + j
-                top = {int(i): float(lp) for i, lp in zip(out.top_ids[row][:k], out.top_logprobs[row][:k])}
-                top[prompt[pos + 1]] = float(out.logprobs[row])
-                state.prompt_logprobs[pos + 1] = top
-        state.prompt_logprobs_done = entry.start_pos + len(entry.token_ids) >= len(prompt) - 1
+        collect_prompt_logprobs(state, entry, out, offset, self._token_texts.for_request(state))
 
     def _emit(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
+        """Outputs of the requests that advanced (FINAL_ONLY ones only when finished); finished ones leave."""
         outputs = []
         for rid, state in touched.items():
-            outputs.append(state.to_output())
+            if state.finished or state.output_kind is not RequestOutputKind.FINAL_ONLY:
+                outputs.append(self._output(state))
             if state.finished:
                 del self.requests[rid]
         return outputs
+
+    def _output(self, state: RequestState) -> RequestOutput:
+        try:
+            return state.to_output()
+        except Exception as e:  # noqa: BLE001
+            self._fail(state, e)
+            return state.error_output()
+
+    # ------------------------------------------------------------------------------------ device failures
+
+    def _device_failed(self, plan: StepPlan, error: BaseException) -> list[RequestOutput]:
+        """A device call raised: every request in it finishes with "error", and the engine resets to a
+        clean state. The KV cache and the penalty state are rebuilt (a donated buffer may be gone, and what
+        they hold is no longer trusted), so every other running sequence is requeued to recompute its KV,
+        and the prefix cache forgets every page."""
+        self.num_failed_steps += 1
+        calls = [c for c in (self._inflight,) if c is not None]
+        self._inflight = None
+        futures.wait([c.launched for c in calls])  # nothing may still write into the cache being replaced
+        failed = dict.fromkeys(e.key[0] for p in (plan, *(c.plan for c in calls)) for e in p.seqs)
+        self.scheduler.drop_all_kv()
+        self._reset_device_state()
+        message = f"the device step failed ({type(error).__name__}: {error}); the engine was reset"
+        touched = {}
+        for rid in failed:
+            state = self.requests.get(rid)
+            if state is not None and not state.finished:
+                self.scheduler.abort(rid)
+                state.fail(message)
+                touched[rid] = state
+        return self._emit(touched)
+
+    def _reset_device_state(self) -> None:
+        cache = self.runner.kv_cache
+        for leaf in jax.tree.leaves(cache):
+            if not leaf.is_deleted():
+                leaf.delete()  # before allocating the new cache, so both never need memory at once
+        self.runner.kv_cache = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), cache)
+        self.slots = PenaltySlots(self.max_num_seqs)
+        empty = PenaltyState.from_tokens([], [], self.max_num_seqs + 1, self.vocab_size)
+        self.penalties = jax.device_put(empty, replicated(self.runner.mesh))
 
     # ------------------------------------------------------------------------------------------ batch API
 
     def generate(
         self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
-        use_tqdm: bool | None = None,
+        use_tqdm: bool | None = None, priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """All prompts to completion; results in input order. Every request is validated before any runs."""
-        ids = self._add_all(prompts, params)
-        results: dict[str, RequestOutput] = {}
+        """All prompts to completion; results in input order, each the complete final output (as vLLM,
+        whatever output_kind says). Every request is validated before any is queued, and if this raises
+        (Ctrl-C included) its own unfinished requests are aborted, so the engine stays usable."""
+        ids = self._add_all(prompts, params, priority, RequestOutputKind.FINAL_ONLY)
+        wanted, results = set(ids), {}
         show = self.use_tqdm if use_tqdm is None else use_tqdm
-        with tqdm(total=len(ids), desc="generating", disable=not show) as bar:
-            while len(results) < len(ids):
-                for out in self.step():
-                    if out.finished and out.request_id in ids:
-                        results[out.request_id] = out
-                        bar.update(1)
+        try:
+            with tqdm(total=len(ids), desc="generating", disable=not show) as bar:
+                while len(results) < len(ids):
+                    for out in self.step():
+                        if out.finished and out.request_id in wanted:
+                            results[out.request_id] = out
+                            bar.update(1)
+        except BaseException:
+            for rid in wanted - set(results):
+                self.abort(rid)
+            raise
+        if not self.scheduler.has_unfinished():
+            self.flush()  # a decode call launched ahead holds only finished rows: return with the device idle
         return [results[rid] for rid in ids]
 
     def stream(
         self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> Iterator[RequestOutput]:
-        """Yield each request's incremental output (`delta_text`/`delta_token_ids`) as it advances."""
-        ids = set(self._add_all(prompts, params))
+        """Yield each request's outputs as it advances, as its output_kind asks (CUMULATIVE by default, with
+        what is new in `delta_text`/`delta_token_ids`)."""
+        ids = set(self._add_all(prompts, params, None, None))
         done: set[str] = set()
         try:
             while done != ids:
@@ -692,39 +762,37 @@ class Engine:
                         done.update([out.request_id] if out.finished else [])
                         yield out
         finally:
-            for rid in ids - done:  # the consumer stopped early: free what is left
+            for rid in ids - done:  # the consumer stopped early, or something raised: free what is left
                 self.abort(rid)
 
-    def _add_all(self, prompts: Any, params: Any) -> list[str]:
-        prompts = normalize_prompts(prompts)
-        param_list = params if isinstance(params, list | tuple) else [params] * len(prompts)
-        if len(param_list) != len(prompts):
-            raise ValueError(
-                f"got {len(param_list)} SamplingParams for {len(prompts)} prompts; pass one or one per prompt."
-            )
-        encoded = []
-        for i, (prompt, p) in enumerate(zip(prompts, param_list)):
+    def _add_all(self, prompts: Any, params: Any, priority: Sequence[int] | None,
+                 output_kind: RequestOutputKind | None) -> list[str]:
+        """Check every prompt and its params at the door, then queue them all, or none."""
+        parsed = parse_prompts(prompts)
+        param_list = per_prompt("sampling_params", params, len(parsed))
+        priorities = per_prompt("priority", priority, len(parsed), default=0)
+        admitted = []
+        for i, (prompt, p, prio) in enumerate(zip(parsed, param_list, priorities)):
             try:
-                _, tokens = self._encode(prompt)
-                self._validate(tokens, p or SamplingParams())
-            except ValueError as e:
-                raise ValueError(f"prompt {i}: {e}") from None
-            encoded.append((prompt, p))
+                admitted.append(self.gate.admit(prompt, p, priority=prio))
+            except InvalidInput as e:
+                raise in_batch(e, i, len(parsed)) from None
         added: list[str] = []
-        for i, (prompt, p) in enumerate(encoded):
+        for i, adm in enumerate(admitted):
             try:
-                added.append(self.add_request(prompt, p))
-            except ValueError as e:  # the scheduler's limits (pages, n): refuse the whole batch, queue nothing
+                added.append(self._queue(adm, output_kind))
+            except InvalidInput as e:  # the scheduler's limits (pages, n): refuse the whole batch, queue nothing
                 for rid in added:
                     self.abort(rid)
-                raise ValueError(f"prompt {i}: {e}") from None
+                raise in_batch(e, i, len(admitted)) from None
         return added
 
     def stats(self) -> dict[str, Any]:
         stats = dict(self.scheduler.stats())
         after = None if self._compiles_at_warmup is None else self.runner.num_compiles - self._compiles_at_warmup
         stats.update(num_compiles_after_warmup=after, num_compiles=self.runner.num_compiles, num_steps=self.num_steps,
-                     num_overlapped_calls=self.num_overlapped_calls, step_time_s=dict(self.times.seconds))
+                     num_overlapped_calls=self.num_overlapped_calls, num_failed_steps=self.num_failed_steps,
+                     step_time_s=dict(self.times.seconds))
         if self.expert_counts.size:
             stats.update(expert_load_stats(self.expert_counts))
         return stats
@@ -750,12 +818,3 @@ def _pool_size(cache_cfg: CacheConfig, runner: ModelRunner) -> int:
     if cache_cfg.num_pages is not None and cache_cfg.num_pages > allocated:
         raise ValueError(f"CacheConfig.num_pages={cache_cfg.num_pages} exceeds the {allocated} pages of the KV cache.")
     return cache_cfg.num_pages or allocated
-
-
-def normalize_prompts(prompts: Any) -> list[str | list[int]]:
-    """A string, a token-id list, or a list of either -> a list of prompts."""
-    if isinstance(prompts, str):
-        return [prompts]
-    if isinstance(prompts, list | tuple) and prompts and all(isinstance(t, int | np.integer) for t in prompts):
-        return [list(prompts)]
-    return list(prompts)

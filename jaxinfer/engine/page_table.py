@@ -144,6 +144,13 @@ class PageAllocator:
             raise ValueError(f"page {page} is not allocated; only live pages can be cached")
         self._cached[page] = True
 
+    def uncache(self, page: int) -> None:
+        """The page's content is no longer valid: keep it if referenced, else it becomes truly free."""
+        self._cached[page] = False
+        if page in self._evictable:
+            del self._evictable[page]
+            self._free.append(page)
+
     def fork(self, pages: list[int]) -> list[int]:
         """A page table for a new sequence sharing all of ``pages`` (copy-on-write happens in reserve_slots)."""
         self.incref(pages)

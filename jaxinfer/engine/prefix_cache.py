@@ -98,6 +98,13 @@ class PrefixCache:
         self._hash_by_page[page] = page_hash
         self.allocator.mark_cached(page)
 
+    def clear(self) -> None:
+        """Forget every cached page (their KV is gone); unreferenced ones become truly free."""
+        for page in list(self._hash_by_page):
+            self.allocator.uncache(page)
+        self._page_by_hash.clear()
+        self._hash_by_page.clear()
+
     def _forget(self, page: int) -> None:
         page_hash = self._hash_by_page.pop(page)
         del self._page_by_hash[page_hash]

@@ -1,8 +1,14 @@
 """Host-side state of one request after sampling: detokenized text, stop checks, logprobs, metrics.
 
-The scheduler owns token ids and pages; this module owns what the user sees. A sequence finishes here
-when it samples EOS (unless `ignore_eos`), a `stop_token_ids` id, or produces a `stop` string; the stop
-string is cut from the text (matched on the detokenized text, so it may span token boundaries).
+The scheduler owns token ids and pages; this module owns what the user sees. Stopping follows vLLM:
+  * once min_tokens are out, a sequence stops on EOS (unless `ignore_eos`), on a `stop_token_ids` id, or
+    when its text contains a `stop` string (matched on the detokenized text, so it may span tokens);
+  * the stop string is cut from the text, and a stop token's own text is left out, unless
+    `include_stop_str_in_output`; `stop_reason` is the stop string or stop id (None for EOS and length);
+  * text that might be the start of a stop string is held back until it is clear (streaming never shows
+    text that is cut later).
+A request that fails alone (an exception while handling its output) is finished with "error" and the
+message (`fail`); nothing here is shared with other requests, so they are unaffected.
 """
 
 from __future__ import annotations
@@ -12,13 +18,14 @@ import time
 
 from jaxinfer.config import SamplingParams
 from jaxinfer.engine.detokenize import IncrementalDetokenizer
-from jaxinfer.engine.sequence import FinishReason
-from jaxinfer.outputs import CompletionOutput, FinishReason as UserFinishReason, RequestOutput
+from jaxinfer.engine.sequence import FinishReason as SeqFinishReason
+from jaxinfer.outputs import CompletionOutput, FinishReason, Logprob, RequestMetrics, RequestOutput
+from jaxinfer.validation import RequestOutputKind
 
 _USER_REASON = {
-    FinishReason.STOP: UserFinishReason.STOP,
-    FinishReason.LENGTH: UserFinishReason.LENGTH,
-    FinishReason.ABORT: UserFinishReason.ABORT,
+    SeqFinishReason.STOP: FinishReason.STOP,
+    SeqFinishReason.LENGTH: FinishReason.LENGTH,
+    SeqFinishReason.ABORT: FinishReason.ABORT,
 }
 
 
@@ -30,9 +37,10 @@ class SeqOutput:
     token_ids: list[int] = dataclasses.field(default_factory=list)
     text: str = ""
     pending_text: str = ""  # held back: might be the start of a stop string
-    logprobs: list[dict[int, float]] | None = None
+    logprobs: list[dict[int, Logprob]] | None = None
     cumulative_logprob: float = 0.0
     finish_reason: FinishReason | None = None
+    stop_reason: int | str | None = None
     stopped_on_string: bool = False
     delta_start: int = 0  # len(text) at the last stream report
     delta_tokens_start: int = 0
@@ -47,55 +55,84 @@ class RequestState:
     seeds: list[int]
     seqs: list[SeqOutput]
     eos_ids: frozenset[int]
+    max_tokens: int  # params.max_tokens, or what max_model_len leaves when that is None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    bad_words_ids: tuple[tuple[int, ...], ...] = ()  # bad_words as token sequences (for the sampler)
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     scheduled_time: float | None = None
     first_token_time: float | None = None
+    finished_time: float | None = None
     token_times: list[float] = dataclasses.field(default_factory=list)  # sequence 0's token arrival times
     itl_sum: float = 0.0  # running inter-token latency stats, so per-step metrics stay O(1)
     itl_max: float = 0.0
-    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     prompt_logprobs_done: bool = False  # set once; a recompute after preemption does not redo them
+    prompt_logprobs_sent: bool = False  # DELTA outputs carry them once
+    num_cached_tokens: int = 0
+    error: str | None = None
+    _wall_offset: float = dataclasses.field(default_factory=lambda: time.time() - time.monotonic())
 
     @property
     def finished(self) -> bool:
         return all(s.finish_reason is not None for s in self.seqs)
 
-    def on_token(self, index: int, token: int, logprob: float, top: dict[int, float] | None) -> FinishReason | None:
+    @property
+    def has_multi_token_bad_words(self) -> bool:
+        return any(len(w) > 1 for w in self.bad_words_ids)
+
+    def on_token(self, index: int, token: int, logprob: float,
+                 top: dict[int, Logprob] | None) -> SeqFinishReason | None:
         """Record a sampled token; returns a finish reason when the engine must stop this sequence."""
-        now = time.monotonic()
-        if self.first_token_time is None:
-            self.first_token_time = now
-        if index == 0:
-            if self.token_times:
-                gap = now - self.token_times[-1]
-                self.itl_sum, self.itl_max = self.itl_sum + gap, max(self.itl_max, gap)
-            self.token_times.append(now)
+        self._record_time(index)
         out = self.seqs[index]
         out.token_ids.append(token)
         out.cumulative_logprob += logprob
         if top is not None:
             out.logprobs = (out.logprobs or []) + [top]
-        self._extend_text(out, token)
-        return self._stop_reason(out, token)
-
-    def _extend_text(self, out: SeqOutput, token: int) -> None:
-        if out.detok is None:
-            return
-        out.pending_text += out.detok.push(token)
-        stop_hit = self._find_stop(out.pending_text)
-        if stop_hit is not None:
-            out.text += out.pending_text[:stop_hit]
-            out.pending_text = ""
+        may_stop = len(out.token_ids) >= self.params.min_tokens
+        stop_token = may_stop and self._is_stop_token(token)
+        if stop_token:
+            out.stop_reason = token if token in self.params.stop_token_ids and token not in self._eos() else None
             out.finish_reason = FinishReason.STOP
-            out.stopped_on_string = True
+        if out.detok is not None and (not stop_token or self.params.include_stop_str_in_output):
+            self._extend_text(out, token, check_stops=may_stop and not stop_token)
+        return SeqFinishReason.STOP if out.finish_reason is FinishReason.STOP else None
+
+    def _record_time(self, index: int) -> None:
+        now = time.monotonic()
+        if self.first_token_time is None:
+            self.first_token_time = now
+        if index != 0:
             return
-        keep = self._stop_prefix_len(out.pending_text)
+        if self.token_times:
+            gap = now - self.token_times[-1]
+            self.itl_sum, self.itl_max = self.itl_sum + gap, max(self.itl_max, gap)
+        self.token_times.append(now)
+
+    def _eos(self) -> frozenset[int]:
+        return frozenset() if self.params.ignore_eos else self.eos_ids
+
+    def _is_stop_token(self, token: int) -> bool:
+        return token in self.params.stop_token_ids or token in self._eos()
+
+    def _extend_text(self, out: SeqOutput, token: int, check_stops: bool) -> None:
+        out.pending_text += out.detok.push(token)
+        hit = self._find_stop(out.pending_text) if check_stops else None
+        if hit is not None:
+            pos, stop = hit
+            cut = pos + len(stop) if self.params.include_stop_str_in_output else pos
+            out.text += out.pending_text[:cut]
+            out.pending_text = ""
+            out.finish_reason, out.stop_reason, out.stopped_on_string = FinishReason.STOP, stop, True
+            return
+        keep = self._stop_prefix_len(out.pending_text) if check_stops else 0
         out.text += out.pending_text[: len(out.pending_text) - keep]
         out.pending_text = out.pending_text[len(out.pending_text) - keep :]
 
-    def _find_stop(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in self.params.stop) if i >= 0]
-        return min(hits) if hits else None
+    def _find_stop(self, text: str) -> tuple[int, str] | None:
+        """The earliest stop string in `text` (the first listed wins a tie) and where it starts."""
+        hits = [(i, n, s) for n, s in enumerate(self.params.stop) if (i := text.find(s)) >= 0]
+        return (min(hits)[0], min(hits)[2]) if hits else None
 
     def _stop_prefix_len(self, text: str) -> int:
         """Length of the longest suffix of `text` that could still grow into a stop string."""
@@ -107,62 +144,86 @@ class RequestState:
                     break
         return best
 
-    def _stop_reason(self, out: SeqOutput, token: int) -> FinishReason | None:
-        if out.finish_reason is not None:  # a stop string
-            return out.finish_reason
-        generated = len(out.token_ids)
-        if generated < self.params.min_tokens:
-            return None
-        if token in self.params.stop_token_ids or (not self.params.ignore_eos and token in self.eos_ids):
-            return FinishReason.STOP
-        return None
-
     def stop_ids(self) -> list[int]:
         """Token ids that end a sequence once min_tokens are generated: stop_token_ids, and EOS unless
-        ignore_eos (what `_stop_reason` checks, for the device to stop early in multi-step decode)."""
-        eos = () if self.params.ignore_eos else sorted(self.eos_ids)
-        return list(dict.fromkeys([*self.params.stop_token_ids, *eos]))
+        ignore_eos (what `_is_stop_token` checks, for the device to stop early in multi-step decode)."""
+        return list(dict.fromkeys([*self.params.stop_token_ids, *sorted(self._eos())]))
 
-    def finish(self, index: int, reason: FinishReason) -> None:
+    def finish(self, index: int, reason: SeqFinishReason) -> None:
         """Close sequence `index`: keep the first reason, flush held-back text unless a stop string cut it."""
         out = self.seqs[index]
-        out.finish_reason = out.finish_reason or reason
+        out.finish_reason = out.finish_reason or _USER_REASON[reason]
         if out.detok is not None and not out.stopped_on_string:
             out.text += out.pending_text + out.detok.finish()
             out.pending_text = ""
+        if self.finished:
+            self.finished_time = time.monotonic()
+
+    def fail(self, message: str) -> None:
+        """Finish every unfinished sequence with "error"; the detokenizer is not touched (it may be what broke)."""
+        self.error = self.error or message
+        for out in self.seqs:
+            if out.finish_reason is None:
+                out.finish_reason, out.pending_text = FinishReason.ERROR, ""
+        self.finished_time = self.finished_time or time.monotonic()
 
     def to_output(self) -> RequestOutput:
-        outputs = []
-        for i, s in enumerate(self.seqs):
-            outputs.append(
-                CompletionOutput(
-                    index=i,
-                    text=s.text,
-                    token_ids=list(s.token_ids),
-                    finish_reason=_USER_REASON.get(s.finish_reason) if s.finish_reason else None,
-                    logprobs=s.logprobs,
-                    cumulative_logprob=s.cumulative_logprob,
-                    delta_text=s.text[s.delta_start :],
-                    delta_token_ids=s.token_ids[s.delta_tokens_start :],
-                )
-            )
-            s.delta_start, s.delta_tokens_start = len(s.text), len(s.token_ids)
+        """The output to report now, as the request's output_kind asks (DELTA: only what is new)."""
+        delta = self.output_kind is RequestOutputKind.DELTA
+        outputs = [self._completion(i, s, delta) for i, s in enumerate(self.seqs)]
+        prompt_logprobs = self.prompt_logprobs
+        if delta and self.prompt_logprobs_sent:
+            prompt_logprobs = None
+        self.prompt_logprobs_sent = self.prompt_logprobs_sent or prompt_logprobs is not None
         return RequestOutput(
             request_id=self.request_id,
             prompt=self.prompt,
             prompt_token_ids=self.prompt_token_ids,
             outputs=outputs,
             finished=self.finished,
-            prompt_logprobs=self.prompt_logprobs,
+            prompt_logprobs=prompt_logprobs,
             metrics=self.metrics(),
+            num_cached_tokens=self.num_cached_tokens,
+            error=self.error,
             # The full list only once: building it every step would make streaming quadratic in length.
             inter_token_latencies=self.inter_token_latencies() if self.finished else [],
         )
 
-    def metrics(self) -> dict[str, float]:
-        m: dict[str, float] = {"arrival_time": self.arrival_time}
+    def error_output(self) -> RequestOutput:
+        """The output of a failed request when building its normal output raised too: ids and the error."""
+        outputs = [CompletionOutput(i, s.text, list(s.token_ids), FinishReason.ERROR) for i, s in enumerate(self.seqs)]
+        return RequestOutput(self.request_id, self.prompt, self.prompt_token_ids, outputs, finished=True,
+                             error=self.error)
+
+    def _completion(self, index: int, s: SeqOutput, delta: bool) -> CompletionOutput:
+        new_text, new_ids = s.text[s.delta_start :], s.token_ids[s.delta_tokens_start :]
+        logprobs = s.logprobs
+        if delta and logprobs is not None:
+            logprobs = logprobs[s.delta_tokens_start :]
+        out = CompletionOutput(
+            index=index,
+            text=new_text if delta else s.text,
+            token_ids=list(new_ids) if delta else list(s.token_ids),
+            finish_reason=s.finish_reason,
+            logprobs=logprobs,
+            cumulative_logprob=s.cumulative_logprob,
+            stop_reason=s.stop_reason,
+            delta_text=new_text,
+            delta_token_ids=list(new_ids),
+        )
+        s.delta_start, s.delta_tokens_start = len(s.text), len(s.token_ids)
+        return out
+
+    def metrics(self) -> RequestMetrics:
+        wall = lambda t: None if t is None else t + self._wall_offset  # noqa: E731
+        m = RequestMetrics(
+            arrival_time=wall(self.arrival_time), first_scheduled_time=wall(self.scheduled_time),
+            first_token_time=wall(self.first_token_time),
+            last_token_time=wall(self.token_times[-1] if self.token_times else None),
+            finished_time=wall(self.finished_time),
+        )
         if self.scheduled_time is not None:
-            m["queue_time_s"] = self.scheduled_time - self.arrival_time
+            m["time_in_queue"] = m["queue_time_s"] = self.scheduled_time - self.arrival_time
         if self.first_token_time is not None:
             m["ttft_s"] = self.first_token_time - self.arrival_time
         if len(self.token_times) > 1:

@@ -273,7 +273,7 @@ class ModelRunner:
         may_stop = c.sampling.step + 1 >= c.sampling.min_tokens  # [S]
         stop = live & ((hit_stop & may_stop) | (i + 1 >= decode.budget))  # [S]
         nxt = _DecodeCarry(
-            kv_cache, rows, c.sampling.advance(),
+            kv_cache, rows, c.sampling.advance(out.tokens, live),  # tokens feed multi-token bad words
             jnp.where(live, out.tokens, c.tokens), c.positions + live.astype(jnp.int32), c.active & ~stop,
             c.expert_counts + counts * jnp.any(live),
         )

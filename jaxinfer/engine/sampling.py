@@ -6,7 +6,8 @@ every knob off, so they cost nothing and touch nothing.
 
 Order inside `sample` (vLLM semantics unless noted):
   logit bias -> repetition/presence/frequency penalties -> min_tokens suppression of stop ids
-  -> temperature -> top-k -> top-p -> min-p -> Gumbel-max with the row's key.
+  -> token masks (bad_words, allowed_token_ids) -> temperature -> top-k -> top-p -> min-p
+  -> Gumbel-max with the row's key.
 Rows with temperature < GREEDY_EPS take the argmax of the processed logits (bias and penalties applied).
 Returned logprobs are of the *raw* model distribution (log_softmax of the unmodified logits), like vLLM's
 default, with the top `max_logprobs` alternatives; callers slice per request.
@@ -55,10 +56,8 @@ Inside step():  out = sample(logits, arrays, penalties)
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
-from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple, NoReturn
+from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -66,16 +65,27 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
+from jaxinfer.validation import (  # the request limits; the arrays below are sized from them
+    MAX_ALLOWED_TOKEN_IDS,
+    MAX_BAD_WORD_TOKENS,
+    MAX_BAD_WORDS,
+    MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
+    MAX_STOP_IDS,
+    Limits,
+    check_sampling_fields,
+    normalized_sampling_fields,
+)
+
 Array = jax.Array | np.ndarray
 
-MAX_LOGIT_BIAS = 16  # B: logit_bias entries per request (static width of bias_ids/bias_values)
-MAX_STOP_IDS = 8  # E: EOS + stop_token_ids suppressed while fewer than min_tokens are generated
-MAX_LOGPROBS = 20  # Kmax: top alternatives returned per row
 NUM_CANDIDATES = 256  # C: candidate set for top-k/top-p before the full-sort fallback
 GREEDY_EPS = 1e-5  # temperatures below this are greedy (vLLM's _SAMPLING_EPS); avoids overflow in z / T
-LOGIT_BIAS_LIMIT = 100.0  # OpenAI's bound on logit_bias values
-PENALTY_LIMIT = 2.0  # OpenAI's bound on presence/frequency penalties
+MAX_BAD_WORD_SEQS = 2 * MAX_BAD_WORDS  # W: each bad word is banned with and without a leading space
+RECENT = MAX_BAD_WORD_TOKENS - 1  # R: generated tokens a row remembers, the longest bad word's prefix
+_NO_TOKEN = -2  # recent_tokens before the first generated token: equal to no id and to no prefix pad (-1)
 _BITS = 32  # prompt-presence bits per uint32 word
+_INT32_MAX = 2**31 - 1
 _SEED_MOD = 2**64
 _PRNG_IMPL = "threefry2x32"
 
@@ -113,6 +123,11 @@ class SamplingArrays:
     min_tokens: Array  # [S] i32; stop ids are banned while step < min_tokens
     stop_ids: Array  # [S, E] i32 EOS + stop_token_ids for min_tokens, padded with -1
     num_top_logprobs: Array  # [S] i32 top alternatives the row returns (SamplingParams.logprobs); 0 = none
+    # Token masks (see `apply_token_masks`); every row is off by default.
+    allowed_ids: Array  # [S, A] i32 allowed_token_ids padded with -1; a row is restricted iff its [0] >= 0
+    bad_prefix: Array  # [S, W, R] i32 bad word tokens but the last, right-aligned, padded with -1 (any token)
+    bad_last: Array  # [S, W] i32 the last token of each bad word, -1 for unused slots
+    recent_tokens: Array  # [S, R] i32 the row's last R generated tokens, newest last, _NO_TOKEN before any
 
     @classmethod
     def from_params(
@@ -127,12 +142,16 @@ class SamplingArrays:
         max_logit_bias: int = MAX_LOGIT_BIAS,
         max_stop_ids: int = MAX_STOP_IDS,
         rng: np.random.Generator | None = None,
+        bad_words: Sequence[Sequence[Sequence[int]]] | None = None,
+        recent: Sequence[Sequence[int]] | None = None,
     ) -> SamplingArrays:
         """Host (NumPy) arrays for `params_list` in rows 0..len-1, padded to `num_rows` harmless rows.
 
         steps[i]: tokens row i already generated (default 0). seeds[i]: the row's resolved seed (see
         `resolve_seed`); where missing, params.seed, else a draw from `rng`. eos_ids: the model's EOS ids,
-        suppressed with stop_token_ids under min_tokens unless the request sets ignore_eos.
+        suppressed with stop_token_ids under min_tokens unless the request sets ignore_eos. bad_words[i]: the
+        row's bad words as token sequences (they need the tokenizer, so the caller encodes them); recent[i]:
+        the tokens row i generated so far (only the last R are kept).
         """
         if len(params_list) > num_rows:
             raise ValueError(f"num_rows must be >= the number of requests ({len(params_list)}), got {num_rows}.")
@@ -143,11 +162,18 @@ class SamplingArrays:
             seed = None if seeds is None else seeds[row]
             seed = resolve_seed(_get(p, "seed", None), 0, rng) if seed is None else seed
             _fill_row(cols, row, p, vocab_size, step, seed, eos_ids)
+            if bad_words is not None and bad_words[row]:
+                _fill_bad_words(cols, row, bad_words[row], () if recent is None else recent[row])
         return cls(**cols)
 
-    def advance(self) -> SamplingArrays:
-        """The arrays for the next decode iteration inside one device call: every row one token further."""
-        return dataclasses.replace(self, step=self.step + 1)
+    def advance(self, tokens: Array | None = None, active: Array | None = None) -> SamplingArrays:
+        """The arrays for the next decode iteration inside one device call: every row one token further, and
+        `tokens` [S] (where `active` [S]) shifted into the rows' recent tokens for multi-token bad words."""
+        recent = self.recent_tokens
+        if tokens is not None:
+            shifted = jnp.concatenate([recent[:, 1:], tokens[:, None].astype(recent.dtype)], axis=1)  # [S, R]
+            recent = shifted if active is None else jnp.where(active[:, None], shifted, recent)
+        return dataclasses.replace(self, step=self.step + 1, recent_tokens=recent)
 
 
 def resolve_seed(seed: int | None, sample_index: int, rng: np.random.Generator) -> int:
@@ -183,6 +209,10 @@ def _padding_columns(num_rows: int, b: int, e: int) -> dict[str, np.ndarray]:
         "min_tokens": np.zeros(num_rows, np.int32),
         "stop_ids": np.full((num_rows, e), -1, np.int32),
         "num_top_logprobs": np.zeros(num_rows, np.int32),
+        "allowed_ids": np.full((num_rows, MAX_ALLOWED_TOKEN_IDS), -1, np.int32),
+        "bad_prefix": np.full((num_rows, MAX_BAD_WORD_SEQS, RECENT), -1, np.int32),
+        "bad_last": np.full((num_rows, MAX_BAD_WORD_SEQS), -1, np.int32),
+        "recent_tokens": np.full((num_rows, RECENT), _NO_TOKEN, np.int32),
     }
 
 
@@ -202,9 +232,35 @@ def _fill_row(cols: dict[str, np.ndarray], row: int, p: Any, vocab_size: int, st
     cols["step"][row] = step
     _fill_bias(cols, row, _get(p, "logit_bias", {}), vocab_size)
     min_tokens = int(_get(p, "min_tokens", 0))
-    cols["min_tokens"][row] = min_tokens
+    cols["min_tokens"][row] = min(min_tokens, _INT32_MAX)  # vLLM sets no upper bound
     if min_tokens > 0:
         _fill_stop_ids(cols, row, _stop_ids(p, eos_ids))
+    allowed = _get(p, "allowed_token_ids", None)
+    if allowed is not None:
+        _fill_allowed(cols, row, allowed, vocab_size)
+
+
+def _fill_allowed(cols: dict[str, np.ndarray], row: int, allowed: Sequence[int], vocab_size: int) -> None:
+    width = cols["allowed_ids"].shape[1]
+    ids = list(dict.fromkeys(int(t) for t in allowed))
+    if not 0 < len(ids) <= width or not all(0 <= t < vocab_size for t in ids):
+        raise ValueError(f"allowed_token_ids must be 1 to {width} ids in [0, {vocab_size}), got {len(ids)} ids.")
+    cols["allowed_ids"][row, : len(ids)] = ids
+
+
+def _fill_bad_words(cols: dict[str, np.ndarray], row: int, words: Sequence[Sequence[int]],
+                    recent: Sequence[int]) -> None:
+    """Right-align each word's prefix so position R - 1 faces the newest generated token."""
+    width, r = cols["bad_last"].shape[1], cols["recent_tokens"].shape[1]
+    if len(words) > width or any(not 0 < len(w) <= r + 1 for w in words):
+        raise ValueError(f"bad_words must be at most {width} sequences of 1 to {r + 1} tokens.")
+    for j, word in enumerate(words):
+        cols["bad_last"][row, j] = word[-1]
+        if len(word) > 1:
+            cols["bad_prefix"][row, j, r - len(word) + 1 :] = word[:-1]
+    tail = list(recent)[-r:] if r else []
+    if tail:
+        cols["recent_tokens"][row, r - len(tail) :] = tail
 
 
 def _fill_bias(cols: dict[str, np.ndarray], row: int, bias: dict[int, float], vocab_size: int) -> None:
@@ -312,7 +368,37 @@ def process_logits(logits: jax.Array, arrays: SamplingArrays, penalties: Penalty
     x = _apply_logit_bias(x, arrays.bias_ids, arrays.bias_values)
     if penalties is not None:
         x = _apply_penalties_if_any(x, arrays, penalties)
-    return _suppress_stop_ids(x, arrays)
+    x = _suppress_stop_ids(x, arrays)
+    return apply_token_masks(x, arrays)
+
+
+def apply_token_masks(x: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """Ban tokens by request (after bias and penalties, so nothing can lift a ban): bad words whose prefix the
+    row just generated lose their last token, and rows with allowed_token_ids keep only those. Data in the
+    arrays, so no request recompiles the step and nothing goes back to the host between tokens."""
+    return _apply_allowed_ids(_apply_bad_words(x, arrays), arrays)
+
+
+def _apply_bad_words(x: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """O(S * W * R) compares and an O(S * W) scatter: cheap enough to run in every step."""
+    rows = jnp.arange(x.shape[0])[:, None]  # [S, 1]
+    prefix = arrays.bad_prefix  # [S, W, R]
+    same = (prefix < 0) | (prefix == arrays.recent_tokens[:, None, :])  # [S, W, R] pads match anything
+    ids = _row_scatter_ids(arrays.bad_last, jnp.all(same, axis=-1), x.shape[1])  # [S, W]
+    return x.at[rows, ids].set(-jnp.inf, mode="drop")  # [S, V]
+
+
+def _apply_allowed_ids(x: jax.Array, arrays: SamplingArrays) -> jax.Array:
+    """The [S, V] mask is built only in steps where some row has allowed_token_ids (`lax.cond`)."""
+    on = arrays.allowed_ids[:, 0] >= 0  # [S]
+
+    def restrict() -> jax.Array:
+        rows = jnp.arange(x.shape[0])[:, None]  # [S, 1]
+        ids = _row_scatter_ids(arrays.allowed_ids, on[:, None], x.shape[1])  # [S, A]
+        allowed = jnp.zeros(x.shape, bool).at[rows, ids].set(True, mode="drop")  # [S, V]
+        return jnp.where(on[:, None] & ~allowed, -jnp.inf, x)  # [S, V]
+
+    return lax.cond(jnp.any(on), restrict, lambda: x)
 
 
 def _row_scatter_ids(ids: jax.Array, use: jax.Array, vocab_size: int) -> jax.Array:
@@ -547,71 +633,12 @@ def compute_prompt_logprobs(logits: jax.Array, next_ids: jax.Array, k: int,
     return PromptLogprobs(*_logprob_outputs(logits, next_ids, k, vocab=vocab))
 
 
-def _fail(field: str, rule: str, value: Any) -> NoReturn:
-    raise ValueError(f"SamplingParams.{field} must be {rule}, got {value!r}.")
-
-
-def _check_range(p: Any, field: str, default: float, ok: Callable[[Any], bool], rule: str) -> None:
-    value = _get(p, field, default)
-    if not ok(value):
-        _fail(field, rule, value)
-
-
-def _finite(v: Any) -> bool:
-    return isinstance(v, numbers.Real) and math.isfinite(v)
-
-
-def _integer(v: Any) -> bool:
-    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
-
-
-def check_knobs(p: Any) -> None:
-    """The per-token knobs, which need no model knowledge; each test is written so that NaN fails it."""
-    _check_range(p, "temperature", 1.0, lambda v: _finite(v) and v >= 0, "a finite number >= 0")
-    _check_range(p, "top_p", 1.0, lambda v: _finite(v) and 0 < v <= 1, "in (0, 1]")
-    _check_range(p, "top_k", -1, lambda v: _integer(v) and (v == -1 or v >= 1), "-1 (off) or >= 1")
-    _check_range(p, "min_p", 0.0, lambda v: _finite(v) and 0 <= v <= 1, "in [0, 1]")
-    _check_range(p, "repetition_penalty", 1.0, lambda v: _finite(v) and v > 0, "a finite number > 0")
-    for field in ("presence_penalty", "frequency_penalty"):
-        _check_range(p, field, 0.0, lambda v: _finite(v) and abs(v) <= PENALTY_LIMIT,
-                     f"in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}]")
-    _check_range(p, "seed", 0, lambda v: _integer(v), "an integer or None")
-
-
-def _check_counts(p: Any, max_logprobs: int, max_n: int) -> None:
-    max_tokens = _get(p, "max_tokens", 1)
-    _check_range(p, "n", 1, lambda v: _integer(v) and 1 <= v <= max_n, f"in [1, {max_n}]")
-    _check_range(p, "max_tokens", 1, lambda v: _integer(v) and v >= 1, ">= 1")
-    _check_range(p, "min_tokens", 0, lambda v: _integer(v) and 0 <= v <= max_tokens,
-                 f"in [0, max_tokens={max_tokens}]")
-    for field in ("logprobs", "prompt_logprobs"):
-        _check_range(p, field, 0, lambda v: _integer(v) and 0 <= v <= max_logprobs,
-                     f"None or in [0, {max_logprobs}]")
-
-
-def _check_token_ids(p: Any, vocab_size: int, eos_ids: Sequence[int], max_logit_bias: int,
-                     max_stop_ids: int) -> None:
-    bias = _get(p, "logit_bias", {})
-    if len(bias) > max_logit_bias:
-        _fail("logit_bias", f"at most {max_logit_bias} entries", f"{len(bias)} entries")
-    for token, value in bias.items():
-        if not (_integer(token) and 0 <= token < vocab_size):
-            _fail("logit_bias", f"keyed by token ids in [0, {vocab_size})", token)
-        if not (_finite(value) and abs(value) <= LOGIT_BIAS_LIMIT):
-            _fail("logit_bias", f"valued in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]", value)
-    stop = tuple(_get(p, "stop_token_ids", ()))
-    for token in stop:
-        if not (_integer(token) and 0 <= token < vocab_size):
-            _fail("stop_token_ids", f"token ids in [0, {vocab_size})", token)
-    if _get(p, "min_tokens", 0) > 0 and len(_stop_ids(p, eos_ids)) > max_stop_ids:
-        _fail("stop_token_ids", f"at most {max_stop_ids} ids together with EOS when min_tokens > 0", stop)
-
-
 def validate_sampling_params(p: Any, vocab_size: int, max_logprobs: int, max_n: int, *,
                              eos_ids: Sequence[int] = (), max_logit_bias: int = MAX_LOGIT_BIAS,
                              max_stop_ids: int = MAX_STOP_IDS) -> None:
-    """Refuse a request the sampler cannot serve exactly: ValueError with one sentence naming the field and
-    the limit. Call at admission so the bad request is refused and the rest keep running."""
-    check_knobs(p)
-    _check_counts(p, max_logprobs, max_n)
-    _check_token_ids(p, vocab_size, eos_ids, max_logit_bias, max_stop_ids)
+    """Refuse a request the sampler cannot serve exactly: InvalidInput with one sentence naming the field and
+    the limit (the table in jaxinfer.validation). Call at admission so the bad request is refused and the
+    rest keep running."""
+    limits = Limits(vocab_size=vocab_size, eos_ids=tuple(eos_ids), max_n=max_n, max_logprobs=max_logprobs,
+                    max_logit_bias=max_logit_bias, max_stop_ids=max_stop_ids)
+    check_sampling_fields(normalized_sampling_fields(p), limits)

@@ -36,11 +36,12 @@ from typing import NamedTuple
 from jaxinfer.engine.page_table import PageAllocator, PageCopy, OutOfPages, pages_for_tokens, reserve_slots
 from jaxinfer.engine.prefix_cache import PrefixCache
 from jaxinfer.engine.sequence import FinishReason, SeqKey, Sequence, SequenceGroup, SequenceStatus
+from jaxinfer.errors import InvalidInput
 
 _QUEUED = (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
 
 
-class RequestRejected(ValueError):
+class RequestRejected(InvalidInput):
     """The request can never run under this scheduler's limits; the other requests are unaffected."""
 
 
@@ -186,7 +187,8 @@ class Scheduler:
         others): needed when the caller wants something of every prompt position, e.g. prompt logprobs.
         """
         if group.request_id in self._groups:
-            raise RequestRejected(f"request_id {group.request_id!r} is already in use by an unfinished request.")
+            raise RequestRejected(f"request_id {group.request_id!r} is already in use by an unfinished request.",
+                                  field="request_id", value=group.request_id)
         self._validate(group)
         if not use_prefix_cache:
             self._no_prefix_lookup.add(group.request_id)
@@ -253,6 +255,16 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self._groups)
 
+    def drop_all_kv(self) -> list[SeqKey]:
+        """The device's KV cache was lost (a failed device call): every running sequence is preempted, to
+        recompute its KV when readmitted, and the prefix cache forgets every page. Returns the preempted keys."""
+        builder = _PlanBuilder(0)
+        for seq in list(self._running):
+            self._preempt(seq, builder)
+        if self.prefix_cache is not None:
+            self.prefix_cache.clear()
+        return list(builder.preempted)
+
     def reserve_lookahead(self, key: SeqKey, num_tokens: int) -> tuple[int, ...]:
         """Give a decoding sequence pages for positions up to ``num_tokens`` (capped by max_model_len) ahead of
         time, so one device call can run several decode iterations; takes only pages that are free or
@@ -298,17 +310,20 @@ class Scheduler:
         parent = group.parent
         prompt_len = parent.num_prompt_tokens
         if prompt_len == 0:
-            raise RequestRejected(f"request {group.request_id!r}: the prompt is empty; it needs at least one token.")
+            raise RequestRejected(f"request {group.request_id!r}: the prompt is empty; it needs at least one token.",
+                                  field="prompt", value=[])
         if prompt_len > self.max_model_len:
             raise RequestRejected(
                 f"request {group.request_id!r}: prompt has {prompt_len} tokens, more than "
-                f"max_model_len={self.max_model_len}."
+                f"max_model_len={self.max_model_len}.", field="prompt", value=prompt_len,
             )
         if parent.max_tokens is not None and parent.max_tokens < 1:
-            raise RequestRejected(f"request {group.request_id!r}: max_tokens must be at least 1.")
+            raise RequestRejected(f"request {group.request_id!r}: max_tokens must be at least 1.", field="max_tokens",
+                                  value=parent.max_tokens)
         if group.n > self.max_num_seqs:
             raise RequestRejected(
-                f"request {group.request_id!r}: n={group.n} exceeds max_num_seqs={self.max_num_seqs}."
+                f"request {group.request_id!r}: n={group.n} exceeds max_num_seqs={self.max_num_seqs}.", field="n",
+                value=group.n, accepted=f"at most max_num_seqs={self.max_num_seqs}",
             )
         self._validate_pages(group.request_id, parent)
 
@@ -323,7 +338,8 @@ class Scheduler:
             raise RequestRejected(
                 f"request {request_id!r}: up to {max_len} tokens need {needed} KV pages, more than the "
                 f"{limit} one sequence can hold (num_pages={self.allocator.num_pages} incl. the trash page, "
-                f"max_pages_per_seq={self.max_pages_per_seq}); lower max_tokens or add pages."
+                f"max_pages_per_seq={self.max_pages_per_seq}); lower max_tokens or add pages.", field="max_tokens",
+                value=seq.max_tokens,
             )
 
     # -------------------------------------------------------------------------------------- scheduling

@@ -42,7 +42,9 @@ def write_job(tmp: Path, model: Path, n: int, *, name: str = "job", extra: dict 
 
 
 def run_cli(job: Path, cwd: Path) -> subprocess.Popen:
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    # The package under test, not whichever jaxinfer the interpreter has installed (cwd is elsewhere).
+    root = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
     env.pop("XLA_FLAGS", None)  # one CPU device is enough and starts faster
     return subprocess.Popen([sys.executable, "-m", "jaxinfer.cli", "batch", str(job)], cwd=cwd, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -104,7 +106,8 @@ def test_duplicate_and_missing_ids_are_reported_before_work() -> None:
     "section, bad, message",
     [
         ("sampling", {"max_tokens": 4, "temprature": 0.5}, "unknown key\\(s\\) 'temprature'"),
-        ("engine", {"max_num_seqz": 4}, "engine: unknown key\\(s\\) 'max_num_seqz'"),
+        ("engine", {"max_num_seqz": 4}, "engine.max_num_seqz is not an argument jaxinfer knows; did you mean "
+                                        "max_num_seqs"),
         ("input", {"path": "p.jsonl", "promt_field": "x"}, "input: unknown key\\(s\\) 'promt_field'"),
         ("top", None, "job: unknown key\\(s\\) 'modle'"),
     ],

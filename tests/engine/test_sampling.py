@@ -473,7 +473,7 @@ def test_compute_prompt_logprobs():
 BAD_PARAMS = [
     ("temperature", {"temperature": -0.1}), ("temperature", {"temperature": float("nan")}),
     ("top_p", {"top_p": 0.0}), ("top_p", {"top_p": 1.5}), ("top_p", {"top_p": float("nan")}),
-    ("top_k", {"top_k": 0}), ("top_k", {"top_k": -2}),
+    ("top_k", {"top_k": -2}),
     ("min_p", {"min_p": -0.1}), ("min_p", {"min_p": 1.1}),
     ("repetition_penalty", {"repetition_penalty": 0.0}),
     ("presence_penalty", {"presence_penalty": 2.5}), ("frequency_penalty", {"frequency_penalty": -3.0}),
@@ -498,7 +498,7 @@ def test_validation_names_the_field(field, kwargs):
 def test_validation_accepts_limits():
     for kwargs in [{}, {"temperature": 0.0, "top_p": 1.0, "top_k": -1, "min_p": 1.0, "n": 8, "min_tokens": 16,
                         "logprobs": 20, "presence_penalty": -2.0, "logit_bias": {99: -100.0}, "seed": 0},
-                   {"stop_token_ids": tuple(range(10)), "top_k": 1000}]:
+                   {"stop_token_ids": tuple(range(10)), "top_k": 1000}, {"top_k": 0}]:  # 0: off, as in vLLM
         validate_sampling_params(Params(**kwargs), vocab_size=100, max_logprobs=20, max_n=8, eos_ids=[EOS])
 
 
