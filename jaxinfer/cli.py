@@ -16,8 +16,12 @@ from jaxinfer.config import ConfigError
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="GGUF file, HF/orbax directory or preset alias")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on GPU/TPU, float32 on CPU")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--expert-parallel-size", type=int, default=1)
+    p.add_argument("--sequence-parallel-size", type=int, default=1)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--max-num-batched-tokens", type=int, default=256)
@@ -25,6 +29,24 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of each device's memory the engine may use (vLLM's meaning)")
     p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas_tpu", "pallas_gpu"])
+
+
+def _distributed_args(p: argparse.ArgumentParser) -> None:
+    """Joining a multi-host run (jaxinfer.distributed.initialize); the JAX_* environment variables, or on a
+    TPU pod nothing at all, work too."""
+    p.add_argument("--coordinator-address", default=None, help="host:port of process 0 (JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=int, default=None, help="JAX_NUM_PROCESSES")
+    p.add_argument("--process-id", type=int, default=None, help="JAX_PROCESS_ID")
+
+
+def _join(args: argparse.Namespace) -> None:
+    """Join a multi-process run when the command line or the environment asks for one."""
+    import os
+
+    from jaxinfer import distributed
+
+    if args.coordinator_address or args.num_processes or os.environ.get(distributed.ENV_ADDRESS):
+        distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -40,12 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate continuations for prompts")
     _engine_args(gen)
+    _distributed_args(gen)
     _sampling_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
     batch = sub.add_parser("batch", help="run a YAML or gin batch job (resumable)")
     batch.add_argument("job", help="path to JOB.yaml or JOB.gin")
+    _distributed_args(batch)
     bench = sub.add_parser("bench", help="end-to-end benchmark: throughput grid, concurrency sweep, MBU/MFU, HF baseline")
     from jaxinfer.bench.main import add_arguments
 
@@ -59,13 +83,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _llm(args: argparse.Namespace):  # noqa: ANN202 - imported lazily: JAX start-up is slow for --help
     from jaxinfer import LLM
+    from jaxinfer.describe import format_description
 
-    return LLM(
+    _join(args)
+    llm = LLM(
         args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size, expert_parallel_size=args.expert_parallel_size,
+        sequence_parallel_size=args.sequence_parallel_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, attention_impl=args.attention_impl,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
     )
+    print(format_description(llm.describe()), file=sys.stderr)  # the mesh and memory, once, at start
+    return llm
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -102,6 +132,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_batch(args: argparse.Namespace) -> int:
     from jaxinfer.batch import run_job
 
+    _join(args)
     run_job(args.job)
     return 0
 
