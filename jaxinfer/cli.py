@@ -23,8 +23,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-parallel-size", type=int, default=1)
     p.add_argument("--sequence-parallel-size", type=int, default=1)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: the platform's (jaxinfer.platform)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the platform's")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV page (default 16)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of each device's memory the engine may use (vLLM's meaning)")
