@@ -129,7 +129,7 @@ def _check_field_types(obj: Any) -> None:
                                    value=value, accepted=_describe(hints[f.name]))
 
 
-class _FromDict:
+class FromDict:
     """Mixin: strict construction from a mapping (YAML section)."""
 
     @classmethod
@@ -154,7 +154,7 @@ class _FromDict:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelConfig(_FromDict):
+class ModelConfig(FromDict):
     """Architecture of one decoder-only transformer: Llama family fields, then fields only some families use.
 
     The family-specific fields live here rather than in per-family subclasses so YAML presets can set them
@@ -252,7 +252,7 @@ class ModelConfig(_FromDict):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MeshConfig(_FromDict):
+class MeshConfig(FromDict):
     """Device mesh shape of one engine replica (jaxinfer.sharding.MESH_AXES). Axis sizes multiply to the
     number of devices it uses; `data` > 1 makes a mesh whose `data` slices are independent replicas."""
 
@@ -273,7 +273,7 @@ class MeshConfig(_FromDict):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class CacheConfig(_FromDict):
+class CacheConfig(FromDict):
     """Paged KV cache sizing (see docs/ARCHITECTURE.md for the layout)."""
 
     page_size: int = 16
@@ -300,7 +300,7 @@ class CacheConfig(_FromDict):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class EngineConfig(_FromDict):
+class EngineConfig(FromDict):
     """How the engine batches and where it runs."""
 
     dtype: DType = DType.FLOAT32
@@ -335,7 +335,7 @@ class EngineConfig(_FromDict):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class SamplingParams(_FromDict):
+class SamplingParams(FromDict):
     """Per-request generation settings, named and defaulted as in vLLM. All of them are data on device:
     changing them never recompiles.
 

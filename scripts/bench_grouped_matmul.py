@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench_kernels import Results, measure_ceilings, time_fn
-from pallas_kernels.grouped_matmul import GpuTiling, QuantizedExperts, dequantize, quantize_experts
+from pallas_kernels.grouped_matmul import GpuTiling, dequantize, quantize_experts
 from pallas_kernels.grouped_matmul import gpu as gmm_gpu
 from pallas_kernels.grouped_matmul import tuning
 

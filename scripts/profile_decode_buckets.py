@@ -14,7 +14,6 @@ import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from jaxinfer import LLM
 from jaxinfer.bench.measure import kernel_profile

@@ -104,7 +104,7 @@ def main() -> None:
               decode_steps_per_call=args.decode_steps_per_call, use_tqdm=False)
     result = {"batch": args.batch, "ctx": args.ctx}
     for label, overlap in (("sync", False), ("overlap", True)):
-        llm.engine.overlap_decode = overlap
+        llm.engine.loop.overlap = overlap
         result[label] = traced_decode(llm, args.batch, args.ctx, 400, out.parent, label, args.min_gap_us)
         print(json.dumps({label: result[label]}), flush=True)
     out.write_text(json.dumps(result, indent=1) + "\n")

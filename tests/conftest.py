@@ -6,7 +6,6 @@ import time rather than in a fixture.
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 
@@ -20,14 +19,7 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "1.0")
 
 import pytest  # noqa: E402
 
-GOLDEN_DIR = Path(__file__).parent / "golden"
-
-
-def load_golden(name: str) -> dict:
-    path = GOLDEN_DIR / f"{name}.json"
-    if not path.is_file():
-        pytest.fail(f"golden file {path} is missing; run scripts/make_golden.py")
-    return json.loads(path.read_text(encoding="utf-8"))
+from goldens import load_golden  # noqa: E402  (tests import it from there too)
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ from jaxinfer.describe import collective_ops
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.kv_cache import allocate_kv_cache
 from jaxinfer.sharding import make_mesh, mesh_rules
-from conftest import load_golden
+from goldens import load_golden
 from test_parity_moe import LOGPROB_TOL, PAGE_SIZE, checkpoint_dir, greedy_through_runner
 
 LAYOUTS = {"ep2": MeshConfig(expert=2), "ep4": MeshConfig(expert=4), "ep8": MeshConfig(expert=8),

@@ -21,12 +21,12 @@ from typing import Any
 
 import gin
 
-from jaxinfer.config import ConfigError, SamplingParams, _FromDict, load_yaml
+from jaxinfer.config import ConfigError, SamplingParams, FromDict, load_yaml
 from jaxinfer.llm_args import resolve_llm_args
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class InputConfig(_FromDict):
+class InputConfig(FromDict):
     path: str
     id_field: str = "id"
     prompt_field: str | None = "prompt"
@@ -39,7 +39,7 @@ class InputConfig(_FromDict):
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class OutputConfig(_FromDict):
+class OutputConfig(FromDict):
     path: str
     # Records that fail (validation or generation) go here with their id and message, and count as done on
     # resume. None: <path without .jsonl>.errors.jsonl.
@@ -58,7 +58,7 @@ ENGINE_DEFAULTS: dict[str, Any] = {"dtype": "float32", "max_num_batched_tokens":
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class BatchJob(_FromDict):
+class BatchJob(FromDict):
     model: str
     input: InputConfig
     output: OutputConfig

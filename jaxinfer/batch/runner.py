@@ -22,6 +22,7 @@ from jaxinfer.batch.records import ResumableWriter, load_records, pending
 from jaxinfer.chat import chat_prompts
 from jaxinfer.config import SamplingParams
 from jaxinfer.errors import InvalidInput, InvalidInputType
+from jaxinfer.llm import LLM
 from jaxinfer.outputs import FinishReason, RequestOutput
 
 
@@ -151,9 +152,7 @@ def _print_report(out_path: Path, error_path: Path, summary: dict[str, Any], sho
     print(json.dumps(summary, indent=1))
 
 
-def _load_llm(job: BatchJob, use_tqdm: bool) -> Any:
-    from jaxinfer import LLM
-
+def _load_llm(job: BatchJob, use_tqdm: bool) -> LLM:
     return LLM(job.model, **{"use_tqdm": use_tqdm, **job.llm_kwargs})
 
 

@@ -111,7 +111,7 @@ def serve_at_concurrency(llm: Any, workload: Workload, concurrency: int, seed: i
                 continue
             del in_flight[out.request_id]
             m = out.metrics
-            e2e = time.monotonic() - m["arrival_time"]
+            e2e = m["finished_time"] - m["arrival_time"]  # wall-clock seconds, as vLLM's RequestMetrics
             e2es.append(e2e)
             ttfts.append(m["ttft_s"])
             itls.extend(out.inter_token_latencies)

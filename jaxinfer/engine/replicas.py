@@ -23,7 +23,10 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from jaxinfer.engine.engine import Engine, expert_load_stats
+from jaxinfer.engine import frontend
+from jaxinfer.engine.admission import Admission
+from jaxinfer.engine.engine import expert_load_stats
+from jaxinfer.errors import InvalidInput
 from jaxinfer.outputs import RequestOutput
 
 
@@ -34,24 +37,12 @@ class DataParallelEngines:
         self.engines = list(engines)
         self.use_tqdm = self.engines[0].use_tqdm
         self.tokenizer = self.engines[0].tokenizer
+        self.gate = self.engines[0].gate  # the checks at the door: the same model on every replica
         self._owner: dict[str, int] = {}  # request id -> replica index
         self._pool = ThreadPoolExecutor(len(self.engines), thread_name_prefix="jaxinfer-replica")
         self._ids = 0
 
     # ------------------------------------------------------------------------------------ requests
-
-    # The batch API is the single engine's, running over this class's add_request/step/abort: prompts are
-    # encoded and checked once (every replica has the same model), then each goes to a replica.
-    generate = Engine.generate
-    stream = Engine.stream
-    _add_all = Engine._add_all
-
-    def _encode(self, prompt: Any) -> Any:
-        return self.engines[0]._encode(prompt)
-
-    def _validate(self, ids: list[int], params: Any) -> None:
-        self.engines[0]._validate(ids, params)
-
 
     def _load(self, i: int) -> tuple[int, int, int]:
         stats = self.engines[i].scheduler.stats()
@@ -62,15 +53,27 @@ class DataParallelEngines:
 
     def add_request(self, prompt: Any, params: Any = None, *, request_id: str | None = None,
                     priority: int = 0) -> str:
-        if request_id is None:
-            request_id = f"req-{self._ids}"
+        """Check at the door (every replica has the same model), then queue on the least-loaded replica."""
+        return self.queue(self.gate.admit(prompt, params, request_id=request_id, priority=priority))
+
+    def queue(self, adm: Admission, output_kind: Any = None) -> str:
+        if adm.request_id is None:
+            adm = adm._replace(request_id=f"req-{self._ids}")
             self._ids += 1
-        if request_id in self._owner:
-            raise ValueError(f"request_id {request_id!r} is already in use by an unfinished request.")
+        if adm.request_id in self._owner:
+            raise InvalidInput(f"request_id {adm.request_id!r} is already in use by an unfinished request.",
+                               field="request_id", value=adm.request_id)
         replica = self.least_loaded()
-        rid = self.engines[replica].add_request(prompt, params, request_id=request_id, priority=priority)
+        rid = self.engines[replica].queue(adm, output_kind)
         self._owner[rid] = replica
         return rid
+
+    def generate(self, prompts: Any, params: Any = None, *, use_tqdm: bool | None = None,
+                 priority: Any = None) -> list[RequestOutput]:
+        return frontend.generate(self, prompts, params, use_tqdm=use_tqdm, priority=priority)
+
+    def stream(self, prompts: Any, params: Any = None) -> Any:
+        return frontend.stream(self, prompts, params)
 
     # ------------------------------------------------------------------------------------ stepping
 
@@ -94,6 +97,9 @@ class DataParallelEngines:
 
     def has_unfinished(self) -> bool:
         return any(e.has_unfinished() for e in self.engines)
+
+    def flush(self) -> list[RequestOutput]:
+        return [out for e in self.engines for out in e.flush()]
 
     def warmup(self) -> None:
         for engine in self.engines:  # compiles in parallel inside each engine already

@@ -56,7 +56,7 @@ Inside step():  out = sample(logits, arrays, penalties)
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax

@@ -19,7 +19,8 @@ import pytest
 
 from jaxinfer.config import CacheConfig, ConfigError, EngineConfig, SamplingParams
 from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
-from jaxinfer.engine.engine import MAX_N, Engine
+from jaxinfer.engine.engine import Engine
+from jaxinfer.validation import MAX_N
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.scheduler import StepPlan
 from jaxinfer.outputs import FinishReason, RequestOutput

@@ -18,8 +18,8 @@ MODES = [(1, False), (4, False), (4, True)]  # decode_steps_per_call, overlap_de
 @pytest.fixture(params=MODES, ids=[f"steps{s}-overlap{o}" for s, o in MODES])
 def llm(request, text_llm: LLM, monkeypatch) -> LLM:
     steps, overlap = request.param
-    monkeypatch.setattr(text_llm.engine, "decode_steps_per_call", steps)
-    monkeypatch.setattr(text_llm.engine, "overlap_decode", overlap)
+    monkeypatch.setattr(text_llm.engine.loop, "steps_per_call", steps)
+    monkeypatch.setattr(text_llm.engine.loop, "overlap", overlap)
     yield text_llm
     assert_clean(text_llm)
 

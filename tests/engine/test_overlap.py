@@ -116,7 +116,7 @@ def test_abort_while_a_call_is_in_flight() -> None:
     engine = make_engine(True)
     for i, p in enumerate(ps):
         engine.add_request(p, params, request_id=f"r{i}")
-    while engine._inflight is None or engine._inflight.plan.seqs[0].start_pos < len(ps[0]) + 2 * STEPS:
+    while engine.loop.inflight is None or engine.loop.inflight.plan.seqs[0].start_pos < len(ps[0]) + 2 * STEPS:
         engine.step()
     partial = engine.abort("r1")
     assert partial is not None and partial.finished
