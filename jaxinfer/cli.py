@@ -55,6 +55,10 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxinfer.serve.main import add_arguments as add_serve_arguments
 
     add_serve_arguments(serve)
+    bench_serve = sub.add_parser("bench-serve", help="load generator against an OpenAI-compatible server")
+    from jaxinfer.bench.serve_bench import add_arguments as add_bench_serve_arguments
+
+    add_bench_serve_arguments(bench_serve)
     conv = sub.add_parser("convert", help="convert a checkpoint to an orbax directory")
     conv.add_argument("src")
     conv.add_argument("dst")
@@ -129,11 +133,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return serve(args)
 
 
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from jaxinfer.bench.serve_bench import execute
+
+    return execute(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     handlers = {"generate": cmd_generate, "convert": cmd_convert, "batch": cmd_batch,
-                "bench": lambda a: cmd_bench(a, argv), "serve": cmd_serve}
+                "bench": lambda a: cmd_bench(a, argv), "serve": cmd_serve,
+                "bench-serve": cmd_bench_serve}
     try:
         return handlers[args.command](args)
     except (ConfigError, CheckpointError, ValueError, OSError) as e:  # user mistakes: one line, no traceback
