@@ -20,7 +20,7 @@ from jaxinfer.chat import chat_prompts
 from jaxinfer.errors import InvalidInput
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.serve.errors import bad_request, from_invalid_input
-from jaxinfer.serve.params import chat_params, check_tool_choice
+from jaxinfer.serve.params import engine_rename, chat_params, check_tool_choice
 from jaxinfer.serve.protocol import ChatRequest
 from jaxinfer.serve.state import (
     ServerState,
@@ -65,9 +65,9 @@ async def create_chat(state: ServerState, req: ChatRequest, request: Request) ->
     rid = req.request_id or new_id("chatcmpl")
     gens = [state.llm.generate(prompt, params, request_id=rid)]
     if req.stream:
-        starts = await start_all(gens)
+        starts = await start_all(gens, engine_rename(req))
         return EventSourceResponse(_stream(state, req, rid, starts, gens), sep="\n", ping=0)
-    (out,) = await until_disconnected(request, run_to_end(gens))
+    (out,) = await until_disconnected(request, run_to_end(gens, engine_rename(req)))
     check_errors([out])
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},
                 "logprobs": _logprobs(state, req, c.token_ids, c.logprobs), "finish_reason": finish_reason(c.finish_reason),

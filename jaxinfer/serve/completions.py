@@ -17,7 +17,7 @@ from sse_starlette import EventSourceResponse
 
 from jaxinfer.outputs import CompletionOutput, RequestOutput
 from jaxinfer.serve.errors import bad_request
-from jaxinfer.serve.params import completion_params
+from jaxinfer.serve.params import engine_rename, completion_params
 from jaxinfer.serve.protocol import CompletionRequest
 from jaxinfer.serve.state import (
     ServerState,
@@ -66,10 +66,10 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     rids = [rid if len(prompts) == 1 else f"{rid}-{i}" for i in range(len(prompts))]
     gens = [state.llm.generate(p, params, request_id=r) for p, r in zip(prompts, rids)]
     if req.stream:
-        starts = await start_all(gens)
+        starts = await start_all(gens, engine_rename(req))
         events = _stream(state, req, rid, starts, gens)
         return EventSourceResponse(events, sep="\n", ping=0)
-    outs = await until_disconnected(request, run_to_end(gens))
+    outs = await until_disconnected(request, run_to_end(gens, engine_rename(req)))
     check_errors(outs)
     return JSONResponse(_response(state, req, rid, outs))
 

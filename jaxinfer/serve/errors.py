@@ -64,7 +64,8 @@ def from_invalid_input(error: InvalidInput, rename: dict[str, str] | None = None
     field = error.field
     if field is not None and rename:
         head, dot, rest = field.partition(".")
-        field = rename.get(head, head) + dot + rest
+        # structured.<kind> came from one request parameter (response_format, guided_regex, ...): name that.
+        field = rename[head] if head == "structured" and head in rename else rename.get(head, head) + dot + rest
     return bad_request(" ".join(str(error).split()), param=field)
 
 

@@ -45,6 +45,13 @@ def structured_from(req: _Sampling) -> tuple[dict[str, Any] | None, str | None]:
     return (found[0][1], found[0][0]) if found else (None, None)
 
 
+def engine_rename(req: _Sampling) -> dict[str, str]:
+    """Request names of what the engine's door may refuse (a grammar that does not compile, ...)."""
+    param = structured_from(req)[1]
+    rename = dict(RENAME_CHAT if isinstance(req, ChatRequest) else RENAME_COMPLETION)
+    return {**rename, "structured": param} if param is not None else rename
+
+
 def _response_format(rf: Any) -> dict[str, Any]:
     if rf.type == "json_object":
         return {"json_object": True}

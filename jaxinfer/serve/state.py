@@ -76,7 +76,8 @@ def dumps(obj: Any) -> str:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":"))
 
 
-async def first_output(gen: AsyncIterator[RequestOutput]) -> tuple[RequestOutput | None, bool]:
+async def first_output(gen: AsyncIterator[RequestOutput],
+                       rename: dict[str, str] | None = None) -> tuple[RequestOutput | None, bool]:
     """Start a request: the engine's door runs on the first step of the generator, so its InvalidInput is
     turned into a 400 here, before any response byte is sent. Returns (first output, more may follow)."""
     try:
@@ -84,14 +85,15 @@ async def first_output(gen: AsyncIterator[RequestOutput]) -> tuple[RequestOutput
     except StopAsyncIteration:
         return None, False
     except InvalidInput as e:
-        raise errors.from_invalid_input(e) from None
+        raise errors.from_invalid_input(e, rename) from None
     return out, not out.finished
 
 
-async def start_all(gens: list[AsyncIterator[RequestOutput]]) -> list[tuple[RequestOutput | None, bool]]:
+async def start_all(gens: list[AsyncIterator[RequestOutput]],
+                    rename: dict[str, str] | None = None) -> list[tuple[RequestOutput | None, bool]]:
     """Start every request at once (each waits for its first output); if one is refused, the others are
     aborted and the refusal is raised."""
-    starts = await asyncio.gather(*(first_output(g) for g in gens), return_exceptions=True)
+    starts = await asyncio.gather(*(first_output(g, rename) for g in gens), return_exceptions=True)
     failed = [s for s in starts if isinstance(s, BaseException)]
     if failed:
         for gen in gens:
@@ -100,7 +102,8 @@ async def start_all(gens: list[AsyncIterator[RequestOutput]]) -> list[tuple[Requ
     return starts  # type: ignore[return-value]
 
 
-async def run_to_end(gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOutput]:
+async def run_to_end(gens: list[AsyncIterator[RequestOutput]],
+                     rename: dict[str, str] | None = None) -> list[RequestOutput]:
     """Every request's final output (each generator yields FINAL_ONLY outputs)."""
 
     async def finish(start: tuple[RequestOutput | None, bool], gen: AsyncIterator[RequestOutput]) -> RequestOutput:
@@ -109,7 +112,7 @@ async def run_to_end(gens: list[AsyncIterator[RequestOutput]]) -> list[RequestOu
             pass
         return out
 
-    starts = await start_all(gens)
+    starts = await start_all(gens, rename)
     return list(await asyncio.gather(*(finish(s, g) for s, g in zip(starts, gens))))
 
 
