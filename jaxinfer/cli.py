@@ -1,4 +1,4 @@
-"""Command line: `jaxinfer generate | batch | bench | convert`.
+"""Command line: `jaxinfer generate | batch | bench | convert | serve | bench-serve`.
 
 Every user mistake (a bad argument, job file, record section, checkpoint or path) ends the command with one
 line on stderr naming what is wrong, and exit code 2; bad records inside a batch job do not end it (they go
@@ -74,6 +74,15 @@ def build_parser() -> argparse.ArgumentParser:
     from jaxinfer.bench.main import add_arguments
 
     add_arguments(bench)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `serve` extra)",
+                           description=_serve_doc())
+    from jaxinfer.serve.main import add_arguments as add_serve_arguments
+
+    add_serve_arguments(serve)
+    bench_serve = sub.add_parser("bench-serve", help="load generator against an OpenAI-compatible server")
+    from jaxinfer.bench.serve_bench import add_arguments as add_bench_serve_arguments
+
+    add_bench_serve_arguments(bench_serve)
     conv = sub.add_parser("convert", help="convert a checkpoint to an orbax directory")
     conv.add_argument("src")
     conv.add_argument("dst")
@@ -143,11 +152,30 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     return execute(args, argv[argv.index("bench") + 1 :])
 
 
+def _serve_doc() -> str:
+    from jaxinfer.serve import main as serve_main
+
+    return serve_main.__doc__ or ""
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from jaxinfer.serve.main import serve
+
+    return serve(args)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from jaxinfer.bench.serve_bench import execute
+
+    return execute(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     handlers = {"generate": cmd_generate, "convert": cmd_convert, "batch": cmd_batch,
-                "bench": lambda a: cmd_bench(a, argv)}
+                "bench": lambda a: cmd_bench(a, argv), "serve": cmd_serve,
+                "bench-serve": cmd_bench_serve}
     try:
         return handlers[args.command](args)
     except (ConfigError, CheckpointError, ValueError, OSError) as e:  # user mistakes: one line, no traceback
