@@ -89,12 +89,48 @@ def bench_run(tmp_path_factory):
 
 def test_bench_writes_every_headline_key(bench_run):
     result, out = bench_run
-    keys = list(result)[:10]
+    keys = list(result)[:17]
     assert keys == ["device", "decode_mbu_batch1", "decode_mbu_batch64", "prefill_mfu_4k", "offline_output_tok_s",
-                    "offline_fraction_of_limit", "ratio_vs_hf", "recompiles_after_warmup", "warmup_s", "command"]
+                    "offline_fraction_of_limit", "ratio_vs_hf", "recompiles_after_warmup", "warmup_s",
+                    "cold_start_s", "warm_start_s", "itl_p99_over_median_c1", "itl_p99_over_median_max_c1_8",
+                    "defaults_fraction_of_tuned", "cpu_ratio_vs_hf_b1", "cpu_ratio_vs_hf_b32", "command"]
+    sweep_c1 = result["sweep"][0]["itl"]
+    assert result["itl_p99_over_median_c1"] == pytest.approx(sweep_c1["p99_ms"] / sweep_c1["median_ms"]) >= 1
     assert result["recompiles_after_warmup"] == 0 and "partial" not in result
     assert result["warmup_s"] > 0 and result["command"].startswith("jaxinfer bench --grid 24x12:6")
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_headline_carries_start_defaults_and_cpu_figures():
+    result = {"grid": [{"workload": "1000/1000", "output_tok_s": 200.0, "fraction_of_limit": 0.5}],
+              "start_times": {"cold": {"first_token_s": 50.0}, "warm": {"first_token_s": 9.0}},
+              "defaults_run": {"output_tok_s": 190.0},
+              "sweep": [{"concurrency": c, "itl": {"median_ms": 10.0, "p99_ms": p}} for c, p in [(1, 20.0), (8, 35.0)]],
+              "cpu": {"cpu_ratio_vs_hf_b1": 1.7, "cpu_ratio_vs_hf_b32": 2.2}}
+    head = report.headline(result)
+    assert head["cold_start_s"] == 50.0 and head["warm_start_s"] == 9.0
+    assert head["defaults_fraction_of_tuned"] == pytest.approx(0.95)
+    assert head["itl_p99_over_median_c1"] == 2.0 and head["itl_p99_over_median_max_c1_8"] == 3.5
+    assert (head["cpu_ratio_vs_hf_b1"], head["cpu_ratio_vs_hf_b32"]) == (1.7, 2.2)
+
+
+def test_warm_start_reuses_the_cold_starts_cache_and_page_count(monkeypatch):
+    from jaxinfer.bench import children
+
+    specs, real_run_child = [], children.run_child
+
+    def fake_child(kind, spec, timeout_s=900):
+        specs.append((kind, spec))
+        return {"num_pages": 77, "first_token_s": 1.0}
+
+    monkeypatch.setattr(children, "run_child", fake_child)
+    out = children.start_times("llama-3-8b", {"max_num_seqs": 4, "num_pages": None}, "/tmp/some-cache")
+    (k1, cold), (k2, warm) = specs
+    assert k1 == k2 == "start" and cold["cache_dir"] == warm["cache_dir"] == "/tmp/some-cache"
+    assert cold["engine"]["num_pages"] is None and warm["engine"] == {"max_num_seqs": 4, "num_pages": 77}
+    assert out["warm"]["first_token_s"] == 1.0
+    failed = real_run_child("start", {"model": "no-such-model", "engine": {}, "cache_dir": "/tmp/x"})
+    assert "no-such-model" in failed["error"]  # a child that fails is a record, not a crash
 
 
 def test_bench_grid_counts_every_token_and_sits_under_its_limit(bench_run):

@@ -69,6 +69,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-only", default=None, metavar="JSON", help="run only the HF baseline and write it here")
     p.add_argument("--hf-prompts", type=int, default=64, help="1000/1000 prompts both stacks run for the ratio")
     p.add_argument("--hf-time-limit", type=float, default=240.0, help="seconds per HF mode before it is skipped")
+    p.add_argument("--start-times", action="store_true",
+                   help="first run a cold and a warm start, each in its own process (warm_start_s)")
+    p.add_argument("--defaults-check", action="store_true",
+                   help="first run the 1000/1000 workload with LLM(model) and no engine settings (defaults_fraction_of_tuned)")
+    p.add_argument("--device", choices=["accelerator", "cpu"], default="accelerator",
+                   help="cpu: the bundled SmolLM2-135M against HF transformers on this CPU (cpu_ratio_vs_hf_b*)")
+    p.add_argument("--hf-python", default=sys.executable,
+                   help="--device cpu: an interpreter with torch, transformers and gguf for the HF side")
+    p.add_argument("--cpu-batches", type=int, nargs="*", default=[1, 32])
+    p.add_argument("--cpu-json", default=None, help="a `jaxinfer bench --device cpu` result whose ratios to carry")
     p.add_argument("--stack-dump-every", type=float, default=0, help="seconds between Python stack dumps (0: off)")
     p.add_argument("--out", default="bench_results/latest.json")
     p.add_argument("--plot", default=None, help="PNG path (default: beside --out); 'none' skips it")
@@ -177,6 +187,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     elif args.hf == "run" and isinstance(args.model, str) and args.model not in BUNDLED and is_alias(args.model):
         hf = run_baseline(args)
     result["hf"] = hf
+    _child_sections(args, result, workloads)
 
     # JAX touches the device only from here on (its allocator takes most of the memory at first use).
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
@@ -281,6 +292,26 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     return result
 
 
+def _child_sections(args: argparse.Namespace, result: dict[str, Any], workloads: list[Workload]) -> None:
+    """The measurements that need processes of their own, run before this process's JAX takes the device."""
+    from jaxinfer.bench import children
+
+    if args.start_times:
+        engine = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
+                  "max_num_batched_tokens": args.max_num_batched_tokens, "memory_fraction": args.memory_fraction,
+                  "decode_steps_per_call": args.decode_steps_per_call}
+        result["start_times"] = children.start_times(args.model, engine)
+        print(json.dumps({"start_times": result["start_times"]}), flush=True)
+    if args.defaults_check:
+        main = next((w for w in workloads if w.name == report.HEADLINE_WORKLOAD), fixed(1000, 1000, 256))
+        spec = {"model": args.model, "workload": {"input_len": main.input_lens[0], "output_len": main.output_lens[0],
+                                                  "num_prompts": main.num_prompts}}
+        result["defaults_run"] = children.run_child("defaults", spec)
+        print(json.dumps({"defaults_run": result["defaults_run"]}), flush=True)
+    if args.cpu_json:
+        result["cpu"] = json.loads(Path(args.cpu_json).read_text())
+
+
 class ReplicaView:
     """One engine replica seen the way the measurements see an LLM (engine, model_config, engine_stats,
     generate): with data parallelism, latency figures (decode steps, prefill) are one replica's."""
@@ -356,6 +387,16 @@ def execute(args: argparse.Namespace, argv: list[str]) -> int:
         Path(args.hf_only).write_text(json.dumps(hf, indent=1) + "\n")
         print(json.dumps({k: hf.get(k) for k in ("device", "copy_bw_gbs", "best_output_tok_s", "best_mode", "error")}))
         return 0 if "error" not in hf else 1
+    if args.device == "cpu":
+        from jaxinfer.bench import cpu_vs_hf
+
+        result = cpu_vs_hf.run(args.hf_python, args.cpu_batches)
+        result["command"] = _command(argv)
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+        print(json.dumps({k: v for k, v in result.items() if k.startswith(("cpu_ratio", "same_first", "hf_error"))}))
+        print("wrote", args.out)
+        return 0 if all(f"cpu_ratio_vs_hf_b{b}" in result for b in args.cpu_batches) else 1
     result = run(args, argv)
     report.write(result, args.out)
     if args.plot != "none":

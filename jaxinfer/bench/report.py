@@ -16,6 +16,9 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
     grid = {g["workload"]: g for g in result.get("grid", [])}
     main = grid.get(HEADLINE_WORKLOAD)
     hf = result.get("hf_comparison")
+    starts = result.get("start_times") or {}
+    defaults = result.get("defaults_run") or {}
+    cpu = result.get("cpu") or {}
     return {
         "device": result.get("device"),
         "decode_mbu_batch1": decode[1]["mbu"] if 1 in decode else None,
@@ -26,8 +29,24 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         "ratio_vs_hf": hf["ratio"] if hf and "ratio" in hf else None,
         "recompiles_after_warmup": result.get("recompiles_after_warmup"),
         "warmup_s": result.get("warmup_s"),
+        "cold_start_s": (starts.get("cold") or {}).get("first_token_s"),
+        "warm_start_s": (starts.get("warm") or {}).get("first_token_s"),
+        "itl_p99_over_median_c1": _itl_tail(result, 1),
+        "itl_p99_over_median_max_c1_8": max((_itl_tail(result, c) or 0.0 for c in (1, 2, 4, 8)), default=None) or None,
+        "defaults_fraction_of_tuned": (defaults["output_tok_s"] / main["output_tok_s"]
+                                       if main and defaults.get("output_tok_s") else None),
+        "cpu_ratio_vs_hf_b1": cpu.get("cpu_ratio_vs_hf_b1"),
+        "cpu_ratio_vs_hf_b32": cpu.get("cpu_ratio_vs_hf_b32"),
         "command": result.get("command"),
     }
+
+
+def _itl_tail(result: dict[str, Any], concurrency: int) -> float | None:
+    """Inter-token latency p99 over its median in the sweep at `concurrency`: how bursty streaming is."""
+    for s in result.get("sweep", []):
+        if s.get("concurrency") == concurrency and s["itl"].get("median_ms"):
+            return s["itl"]["p99_ms"] / s["itl"]["median_ms"]
+    return None
 
 
 def _fmt(x: Any, pct: bool = False) -> str:
