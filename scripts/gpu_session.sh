@@ -13,6 +13,9 @@
 #   describe     llm.describe() of Llama-3-8B shape on one GPU (per-device weight/KV bytes, collectives)
 #   bench_tp1    the run of record's command (Llama-3-8B, bf16): TP=1 figures to hold within 3% of latest.json
 #   moe          Qwen3-30B-A3B shape on one GPU: decode MBU, 1000/1000, prefill MFU
+#   starts       cold then warm start of the bench's engine, each in its own process (warm_start_s)
+#   defaults     LLM("llama-3-8b") with no knobs beside the tuned engine on 1000/1000 (defaults_fraction_of_tuned)
+#   record       the run of record (bench_tp1 plus ITL sweep 1/4/8), carrying starts.json and defaults.json
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -49,6 +52,15 @@ print(f(llm.describe()))' ;;
       run bench_tp1 590 python3 -m jaxinfer.cli bench --hf-json docs/benchmarks/hf_h100_128.json --memory-fraction 0.85 \
         --grid 1000x1000:192 128x128:256 sharegpt:128 2048x2048:32 --sweep-requests-per-slot 1 --plot none \
         --out "$OUT/bench_tp1.json" ;;
+    starts)
+      run starts 280 python3 scripts/bench_warmup.py --memory-fraction 0.85 --out "$OUT/starts.json" ;;
+    defaults)
+      run defaults 300 python3 -m jaxinfer.cli bench --hf skip --memory-fraction 0.85 --defaults-check \
+        --sections grid --grid 1000x1000:192 --plot none --out "$OUT/defaults.json" ;;
+    record)
+      run record 590 python3 -m jaxinfer.cli bench --hf-json docs/benchmarks/hf_h100_128.json --memory-fraction 0.85 \
+        --grid 1000x1000:192 128x128:256 sharegpt:128 2048x2048:32 --concurrency 1 4 8 --sweep-requests-per-slot 2 \
+        --plot none --carry $(ls docs/benchmarks/{starts,defaults,cpu}.json 2>/dev/null) --out "$OUT/latest.json" ;;
     moe)
       run moe 590 python3 -m jaxinfer.cli bench --model qwen3-30b-a3b --hf skip --memory-fraction 0.85 \
         --grid 1000x1000:128 --concurrency --decode-batches 1 64 --plot none --out "$OUT/moe_1gpu.json" ;;

@@ -101,14 +101,16 @@ def test_bench_writes_every_headline_key(bench_run):
     assert out.with_suffix(".png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_headline_carries_start_defaults_and_cpu_figures():
+def test_headline_carries_start_defaults_and_cpu_figures(tmp_path):
     result = {"grid": [{"workload": "1000/1000", "output_tok_s": 200.0, "fraction_of_limit": 0.5}],
               "start_times": {"cold": {"first_token_s": 50.0}, "warm": {"first_token_s": 9.0}},
               "defaults_run": {"output_tok_s": 190.0},
               "sweep": [{"concurrency": c, "itl": {"median_ms": 10.0, "p99_ms": p}} for c, p in [(1, 20.0), (8, 35.0)]],
-              "cpu": {"cpu_ratio_vs_hf_b1": 1.7, "cpu_ratio_vs_hf_b32": 2.2}}
-    head = report.headline(result)
-    assert head["cold_start_s"] == 50.0 and head["warm_start_s"] == 9.0
+              "carried": {"cpu_ratio_vs_hf_b1": (1.7, "cpu.json"), "cpu_ratio_vs_hf_b32": (2.2, "cpu.json"),
+                          "warm_start_s": (99.0, "old.json")}}
+    report.write(result, tmp_path / "latest.json")
+    head = json.loads((tmp_path / "latest.json").read_text())
+    assert head["cold_start_s"] == 50.0 and head["warm_start_s"] == 9.0  # measured here: not the carried 99
     assert head["defaults_fraction_of_tuned"] == pytest.approx(0.95)
     assert head["itl_p99_over_median_c1"] == 2.0 and head["itl_p99_over_median_max_c1_8"] == 3.5
     assert (head["cpu_ratio_vs_hf_b1"], head["cpu_ratio_vs_hf_b32"]) == (1.7, 2.2)

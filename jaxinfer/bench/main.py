@@ -78,7 +78,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-python", default=sys.executable,
                    help="--device cpu: an interpreter with torch, transformers and gguf for the HF side")
     p.add_argument("--cpu-batches", type=int, nargs="*", default=[1, 32])
-    p.add_argument("--cpu-json", default=None, help="a `jaxinfer bench --device cpu` result whose ratios to carry")
+    p.add_argument("--carry", nargs="*", default=[], metavar="JSON",
+                   help="earlier results (a --device cpu run, a --start-times run) whose headline keys this run "
+                        "did not measure: carried into its headline, with the file they came from")
     p.add_argument("--stack-dump-every", type=float, default=0, help="seconds between Python stack dumps (0: off)")
     p.add_argument("--out", default="bench_results/latest.json")
     p.add_argument("--plot", default=None, help="PNG path (default: beside --out); 'none' skips it")
@@ -308,8 +310,12 @@ def _child_sections(args: argparse.Namespace, result: dict[str, Any], workloads:
                                                   "num_prompts": main.num_prompts}}
         result["defaults_run"] = children.run_child("defaults", spec)
         print(json.dumps({"defaults_run": result["defaults_run"]}), flush=True)
-    if args.cpu_json:
-        result["cpu"] = json.loads(Path(args.cpu_json).read_text())
+    carried: dict[str, Any] = {}
+    for path in args.carry:
+        for key, value in json.loads(Path(path).read_text()).items():
+            if key in report.headline({}) and key != "command" and value is not None and key not in carried:
+                carried[key] = (value, str(path))
+    result["carried"] = carried
 
 
 class ReplicaView:

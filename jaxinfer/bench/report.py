@@ -18,7 +18,6 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
     hf = result.get("hf_comparison")
     starts = result.get("start_times") or {}
     defaults = result.get("defaults_run") or {}
-    cpu = result.get("cpu") or {}
     return {
         "device": result.get("device"),
         "decode_mbu_batch1": decode[1]["mbu"] if 1 in decode else None,
@@ -35,8 +34,8 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         "itl_p99_over_median_max_c1_8": max((_itl_tail(result, c) or 0.0 for c in (1, 2, 4, 8)), default=None) or None,
         "defaults_fraction_of_tuned": (defaults["output_tok_s"] / main["output_tok_s"]
                                        if main and defaults.get("output_tok_s") else None),
-        "cpu_ratio_vs_hf_b1": cpu.get("cpu_ratio_vs_hf_b1"),
-        "cpu_ratio_vs_hf_b32": cpu.get("cpu_ratio_vs_hf_b32"),
+        "cpu_ratio_vs_hf_b1": None,  # `jaxinfer bench --device cpu`, brought in with --carry
+        "cpu_ratio_vs_hf_b32": None,
         "command": result.get("command"),
     }
 
@@ -149,6 +148,9 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
 def write(result: dict[str, Any], path: str | Path) -> None:
     """latest.json: the headline keys first, then every section in full."""
     head = headline(result)
+    for key, (value, source) in (result.get("carried") or {}).items():
+        if head.get(key) is None:  # what this run measured itself wins
+            head[key] = value
     out = {**head, **{k: v for k, v in result.items() if k not in head}}
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(out, indent=1) + "\n")
