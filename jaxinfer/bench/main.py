@@ -191,8 +191,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     result["hf"] = hf
     _child_sections(args, result, workloads)
 
-    # JAX touches the device only from here on (its allocator takes most of the memory at first use).
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+    # JAX touches the device only from here on (jaxinfer asks its allocator for 92% of it: jaxinfer/__init__.py).
     import jax
 
     from jaxinfer import LLM
