@@ -373,6 +373,7 @@ class SamplingParams(FromDict):
     bad_words: tuple[str, ...] = ()  # never generated, as token sequences (with and without a leading space)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
     extra_args: dict[str, Any] | None = None  # carried along untouched, for the caller's own use
+    speculative: bool = True  # False: never speculate for this request (LLM(speculative=...) opt-out)
 
     def __post_init__(self) -> None:
         values = normalized_sampling_fields(self)

@@ -310,6 +310,8 @@ SAMPLING_RULES: tuple[FieldRule, ...] = (
     _rule("output_kind", RequestOutputKind.CUMULATIVE, "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY) "
           "or its name", _output_kind),
     _rule("extra_args", None, "None or a dict with string keys", _extra_args),
+    _rule("speculative", True, "True or False (False: this request never speculates, on an LLM with speculative "
+          "decoding)", _bool),
 )
 RULES_BY_NAME = {r.name: r for r in SAMPLING_RULES}
 
