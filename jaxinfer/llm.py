@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from pathlib import Path
@@ -30,6 +31,7 @@ from jaxinfer.llm_args import DTYPE_NAMES, LLMArgs, check_model_limits, resolve_
 from jaxinfer.models import family_for_config
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.params import init_params
+from jaxinfer.platform import FIELDS as PLATFORM_FIELDS, announce, fill_defaults
 from jaxinfer.presets import BUNDLED, bundled_checkpoint, is_alias, load_preset
 from jaxinfer.sharding import make_mesh, mesh_rules
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
@@ -112,8 +114,8 @@ class LLM:
         seed: int | None = 0,
         max_model_len: int | None = None,
         gpu_memory_utilization: float | None = None,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 512,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         block_size: int | None = None,
         enable_prefix_caching: bool = True,
         tensor_parallel_size: int = 1,
@@ -125,7 +127,7 @@ class LLM:
         enforce_eager: bool = False,
         num_pages: int | None = None,
         memory_fraction: float | None = None,
-        decode_steps_per_call: int = 1,
+        decode_steps_per_call: int | None = None,
         overlap_decode: bool = True,
         compile_threads: int | None = None,
         compilation_cache_dir: str | Path | None = "auto",
@@ -139,7 +141,10 @@ class LLM:
     ) -> None:
         # Every keyword above goes through the one checked table (jaxinfer.llm_args.LLM_ARG_RULES).
         given = {k: v for k, v in locals().items() if k not in ("self", "model", "kwargs", "__class__")}
-        args = self.args = resolve_llm_args({**given, **kwargs})
+        args = resolve_llm_args({**given, **kwargs})
+        # Engine knobs left unset take the platform's defaults (jaxinfer.platform), announced once loaded.
+        chosen = fill_defaults({f: getattr(args, f) for f in PLATFORM_FIELDS})
+        args = self.args = dataclasses.replace(args, **chosen)
         model = resolve_model_name(model)
         self.engine_config = EngineConfig(
             dtype=resolve_dtype(args.dtype),
@@ -190,6 +195,7 @@ class LLM:
             self.draft.check_tokenizer(self.tokenizer)
             self.draft_weights = [self.draft.load(m, self.dtype, args.seed or 0) for m in self.replica_meshes]
         self._build_engines(args.enable_prefix_caching, args.warmup, args.use_tqdm)
+        announce(chosen)
 
     def _draft_model(self, args: LLMArgs, mesh_cfg: MeshConfig) -> Any:
         """The draft model of speculative={"method": "draft", ...}, checked against the target (None otherwise);
