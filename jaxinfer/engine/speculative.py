@@ -40,6 +40,7 @@ from jaxinfer.engine.scheduler import ScheduledSeq, StepPlan
 from jaxinfer.engine.sequence import SeqKey
 from jaxinfer.engine.verify import VerifyInputs
 from jaxinfer.outputs import RequestOutput
+from jaxinfer.sharding import replicated
 from jaxinfer.spec_config import SpecMethod, SpeculativeConfig
 
 if TYPE_CHECKING:
@@ -213,7 +214,9 @@ class Speculator:
         spec = self.verify_inputs(shape, plan.seqs)
         if self.draft is not None:
             drafts, probs = self.draft.propose(self._draft_batch(shape, plan, lags), self._draft_inputs(inputs, plan))
-            drafts, probs = engine.runner.place((drafts, probs))
+            # The draft may live on other devices (a degree-1 draft on the replica's first one) or leave its
+            # outputs split by vocabulary; the verification step was compiled for replicated proposals.
+            drafts, probs = jax.device_put((drafts, probs), replicated(engine.runner.mesh))
             spec = dataclasses.replace(spec, draft_tokens=drafts, draft_probs=probs)
         t = engine.times.add("prepare", t)
         engine.penalties, out = engine.runner.verify(engine.penalties, batch, inputs, spec)
@@ -356,7 +359,6 @@ class Speculator:
 
 def _may_speculate(params: Any) -> bool:
     """The request did not opt out (SamplingParams.speculative), and asks for nothing that changes its
-    distribution with each token in a way the verification cannot follow (a structured-output grammar)."""
-    if not getattr(params, "speculative", True):
-        return False
-    return all(getattr(params, name, None) is None for name in ("structured_outputs", "guided_decoding"))
+    distribution with each token in a way the verification cannot follow: a structured-output grammar's mask
+    for proposal j depends on the tokens before it, and the host walks the grammar one token per call)."""
+    return params.speculative and params.structured is None

@@ -1,0 +1,70 @@
+"""Speculative decoding on the real SmolLM2-135M (bundled GGUF, float32, CPU): greedy output with n-gram and
+with draft-model proposals is exactly the HF transformers goldens' (scripts/make_golden.py), unsharded and over
+3 forced CPU devices (tensor parallel 3, the degree SmolLM2's 3 kv heads allow)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from jaxinfer import LLM, SamplingParams
+from test_parity import ENGINE_KW, greedy_params
+
+pytestmark = pytest.mark.slow
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# The model as its own draft: a valid draft (same tokenizer) whose greedy proposals are all accepted.
+SELF_DRAFT = {"method": "draft", "model": "smollm2-135m-instruct", "num_speculative_tokens": 3}
+KW = {**ENGINE_KW, "max_num_batched_tokens": 32, "max_num_seqs": 4}  # fewer buckets to compile than test_parity's
+
+
+def _always_speculate(llm: LLM) -> LLM:
+    """The measured cost model may decline on CPU; these tests are about exactness, so every step speculates."""
+    llm.engine.spec.cost.worth = lambda *args: True
+    return llm
+
+
+def _check_goldens(llm: LLM, cases: list[dict]) -> None:
+    before = llm.engine_stats()["spec_draft_tokens"]
+    outs = llm.generate([c["prompt_ids"] for c in cases], [greedy_params(c["max_new_tokens"]) for c in cases])
+    for case, out in zip(cases, outs):
+        assert out.token_ids == case["output_ids"], case["prompt"]
+    stats = llm.engine_stats()
+    assert stats["spec_draft_tokens"] > before and stats["spec_accepted_tokens"] > 0
+    assert stats["num_compiles_after_warmup"] == 0
+    assert stats["free_pages"] == stats["total_pages"]
+
+
+@pytest.fixture(scope="module")
+def ngram_llm() -> LLM:
+    return _always_speculate(LLM("smollm2-135m-instruct", speculative=NGRAM, **KW))
+
+
+def test_ngram_greedy_equals_hf(ngram_llm: LLM, smollm2_golden: dict) -> None:
+    _check_goldens(ngram_llm, smollm2_golden["greedy"])
+
+
+def test_ngram_on_a_copying_prompt_accepts_long_runs_with_plain_output(ngram_llm: LLM) -> None:
+    """The benchmark's workload (an answer that copies spans of the prompt): the same engine with the request
+    opted out (SamplingParams.speculative=False) is the plain baseline."""
+    from jaxinfer.bench.spec import copy_prompt
+
+    prompt = ngram_llm.tokenizer.encode(copy_prompt(1))
+    params = SamplingParams(max_tokens=40, temperature=0.0)
+    want = ngram_llm.generate([prompt], dataclasses.replace(params, speculative=False))[0].token_ids
+    before = ngram_llm.engine_stats()
+    assert ngram_llm.generate([prompt], params)[0].token_ids == want
+    after = ngram_llm.engine_stats()
+    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
+    assert accepted > len(want) // 2, (accepted, len(want))
+
+
+def test_self_draft_under_tensor_parallel_3_equals_hf(smollm2_golden: dict) -> None:
+    """Target over 3 devices, the model as its own draft on the first of them (draft_tensor_parallel_size=1):
+    the proposals move to the target's devices for verification; unsharded == sharded == HF."""
+    spec = {**SELF_DRAFT, "draft_tensor_parallel_size": 1}
+    llm = _always_speculate(LLM("smollm2-135m-instruct", tensor_parallel_size=3, speculative=spec, **KW))
+    assert len(llm.engine.spec.draft.runner.mesh.devices.flat) == 1
+    _check_goldens(llm, smollm2_golden["greedy"])
+    assert llm.engine_stats()["spec_acceptance_rate"] > 0.95  # the target agrees with itself (ties aside)
