@@ -4,16 +4,15 @@ with draft-model proposals is exactly the HF transformers goldens' (scripts/make
 
 from __future__ import annotations
 
-import dataclasses
 
 import pytest
 
-from jaxinfer import LLM, SamplingParams
+from jaxinfer import LLM
 from test_parity import ENGINE_KW, greedy_params
 
 pytestmark = pytest.mark.slow
 
-NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # The model as its own draft: a valid draft (same tokenizer) whose greedy proposals are all accepted.
 SELF_DRAFT = {"method": "draft", "model": "smollm2-135m-instruct", "num_speculative_tokens": 3}
 KW = {**ENGINE_KW, "max_num_batched_tokens": 32, "max_num_seqs": 4}  # fewer buckets to compile than test_parity's
@@ -38,26 +37,25 @@ def _check_goldens(llm: LLM, cases: list[dict]) -> None:
 
 @pytest.fixture(scope="module")
 def ngram_llm() -> LLM:
-    return _always_speculate(LLM("smollm2-135m-instruct", speculative=NGRAM, **KW))
+    return LLM("smollm2-135m-instruct", speculative=NGRAM, **KW)  # the measured cost model decides, as in use
 
 
 def test_ngram_greedy_equals_hf(ngram_llm: LLM, smollm2_golden: dict) -> None:
     _check_goldens(ngram_llm, smollm2_golden["greedy"])
 
 
-def test_ngram_on_a_copying_prompt_accepts_long_runs_with_plain_output(ngram_llm: LLM) -> None:
-    """The benchmark's workload (an answer that copies spans of the prompt): the same engine with the request
-    opted out (SamplingParams.speculative=False) is the plain baseline."""
-    from jaxinfer.bench.spec import copy_prompt
+def test_ngram_on_a_copying_prompt_is_1_8x_faster_with_identical_output(ngram_llm: LLM) -> None:
+    """Issue 17's bar, measured in this one run at batch 1: a prompt whose answer copies spans of it, plain
+    decoding (its own LLM, compiling only what it uses) against n-gram speculation (k = 8), best of 2 timed
+    runs each after an untimed one. Measured 2.96x on the 2-core CI machine; SmolLM2 copies the text whole."""
+    from jaxinfer.bench.spec import best_greedy, copy_prompt, measure_copy
 
-    prompt = ngram_llm.tokenizer.encode(copy_prompt(1))
-    params = SamplingParams(max_tokens=40, temperature=0.0)
-    want = ngram_llm.generate([prompt], dataclasses.replace(params, speculative=False))[0].token_ids
-    before = ngram_llm.engine_stats()
-    assert ngram_llm.generate([prompt], params)[0].token_ids == want
-    after = ngram_llm.engine_stats()
-    accepted = after["spec_accepted_tokens"] - before["spec_accepted_tokens"]
-    assert accepted > len(want) // 2, (accepted, len(want))
+    plain = LLM("smollm2-135m-instruct", **{**KW, "warmup": False})
+    prompt = plain.tokenizer.encode(copy_prompt(1))
+    result = measure_copy(best_greedy(plain, prompt, 64, 2), ngram_llm, prompt, 64, 2)
+    assert result["identical"] and result["output_tokens"] == 64
+    assert result["spec_acceptance_rate"] > 0.9
+    assert result["speedup"] >= 1.8, result
 
 
 def test_self_draft_under_tensor_parallel_3_equals_hf(smollm2_golden: dict) -> None:
