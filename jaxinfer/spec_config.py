@@ -65,7 +65,7 @@ def parse_speculative(value: Any, where: str = "LLM argument ") -> SpeculativeCo
         raise InvalidInputType.of(where, "speculative", value, ACCEPTED)
     unknown = [k for k in value if k not in KEYS]
     if unknown:
-        raise InvalidInput(f"{where}speculative has an unknown key {unknown[0]!r}; accepted keys: {', '.join(KEYS)}.",
+        raise InvalidInput(f"{where}speculative.{unknown[0]} is not a known key; accepted keys: {', '.join(KEYS)}.",
                            field=f"speculative.{unknown[0]}", value=value[unknown[0]], accepted=", ".join(KEYS))
     method = _method(value, where)
     k = _int_in(value, "num_speculative_tokens", None, 1, MAX_SPECULATIVE_TOKENS, where)

@@ -4,7 +4,6 @@ with draft-model proposals is exactly the HF transformers goldens' (scripts/make
 
 from __future__ import annotations
 
-
 import pytest
 
 from jaxinfer import LLM
