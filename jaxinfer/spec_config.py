@@ -2,6 +2,8 @@
 
     LLM(model, speculative={"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4})
     LLM(model, speculative={"method": "draft", "model": "smollm2-135m-instruct", "num_speculative_tokens": 4})
+    jaxinfer generate|serve ... --speculative '{"method": "ngram", "num_speculative_tokens": 4}'   (JSON)
+    batch-job YAML: engine: {speculative: {method: ngram, num_speculative_tokens: 4}}
 
 `parse_speculative` turns the mapping into a `SpeculativeConfig`, or raises `InvalidInput` naming the key
 (`speculative.num_speculative_tokens`, ...) with what it accepts. What needs the models (a draft whose
@@ -13,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import json
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -61,6 +64,12 @@ def parse_speculative(value: Any, where: str = "LLM argument ") -> SpeculativeCo
     """None, a SpeculativeConfig, or a mapping of the keys above -> a checked SpeculativeConfig."""
     if value is None or isinstance(value, SpeculativeConfig):
         return value
+    if isinstance(value, str) and value.lstrip().startswith("{"):  # the CLI's --speculative '{"method": ...}'
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise InvalidInput(f"{where}speculative is not valid JSON ({e}).", field="speculative", value=value,
+                               accepted="a JSON object") from None
     if not isinstance(value, Mapping):
         raise InvalidInputType.of(where, "speculative", value, ACCEPTED)
     unknown = [k for k in value if k not in KEYS]

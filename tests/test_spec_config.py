@@ -35,6 +35,8 @@ SHAPE = {"architecture": "llama", "vocab_size": 256, "hidden_size": 32, "interme
      "speculative.draft_tensor_parallel_size"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "speculative.disable_by_batch_size"),
     ("ngram", "speculative"),
+    ('{"method": "ngram",', "speculative"),
+    ('{"method": "ngram", "num_speculative_tokens": 99}', "speculative.num_speculative_tokens"),
 ])
 def test_bad_mapping_names_the_field(value: object, field: str) -> None:
     with pytest.raises(InvalidInput) as info:
@@ -48,6 +50,7 @@ def test_good_mappings() -> None:
     assert cfg.method is SpecMethod.NGRAM and cfg.k == 4 and (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (2, 4)
     cfg = parse_speculative({"model": "m", "num_speculative_tokens": 3})  # method implied by the model
     assert cfg.method is SpecMethod.DRAFT and cfg.draft_sampling and cfg.draft_tensor_parallel_size is None
+    assert parse_speculative('{"method": "ngram", "num_speculative_tokens": 2}').k == 2  # the CLI's JSON
     assert parse_speculative(None) is None and parse_speculative(cfg) is cfg
 
 
