@@ -28,7 +28,6 @@ from jaxinfer.engine.speculative import EXPLORE_EVERY, SpecCostModel, expected_t
 from jaxinfer.kv_cache import allocate_kv_cache
 from jaxinfer.models import LLAMA
 from jaxinfer.spec_config import parse_speculative
-from model_helpers import run_to_completion
 
 CFG = model_helpers.tiny_config(tie_word_embeddings=False)
 PAGE = 4  # small pages: proposals and rollbacks cross page boundaries all the time
