@@ -375,6 +375,7 @@ class SamplingParams(FromDict):
     # Output constrained to a JSON schema, regex, choice or grammar (jaxinfer.structured.StructuredOutputs).
     structured: Any = None
     extra_args: dict[str, Any] | None = None  # carried along untouched, for the caller's own use
+    speculative: bool = True  # False: never speculate for this request (LLM(speculative=...) opt-out)
 
     def __post_init__(self) -> None:
         values = normalized_sampling_fields(self)

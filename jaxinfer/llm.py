@@ -136,6 +136,7 @@ class LLM:
         random_weights: bool = False,
         warmup: bool = True,
         use_tqdm: bool = True,
+        speculative: dict[str, Any] | None = None,  # vLLM's speculative_config (jaxinfer.spec_config)
         **kwargs: Any,  # page_size (= block_size), and vLLM arguments that need a notice or an error
     ) -> None:
         # Every keyword above goes through the one checked table (jaxinfer.llm_args.LLM_ARG_RULES).
@@ -174,6 +175,9 @@ class LLM:
         check_model_limits(args, self.model_config.max_position_embeddings)
         _check_quantization(args, checkpoint, self.engine_config.dtype)
         self.family = family_for_config(self.model_config)
+        self.draft = self._draft_model(args, MeshConfig(data=args.data_parallel_size, tensor=args.tensor_parallel_size,
+                                                        expert=args.expert_parallel_size,
+                                                        seq=args.sequence_parallel_size))
         # Before any device work: a layout no head split can use, or more devices than exist, is refused here.
         mesh_cfg = MeshConfig(data=args.data_parallel_size, tensor=args.tensor_parallel_size,
                               expert=args.expert_parallel_size, seq=args.sequence_parallel_size)
@@ -187,8 +191,26 @@ class LLM:
             self.tokenizer = None
         else:
             self.tokenizer = load_model_tokenizer(checkpoint, args.tokenizer)
+        if self.draft is not None:
+            self.draft.check_tokenizer(self.tokenizer)
+            self.draft_weights = [self.draft.load(m, self.dtype, args.seed or 0) for m in self.replica_meshes]
         self._build_engines(args.enable_prefix_caching, args.warmup, args.use_tqdm)
         announce(chosen)
+
+    def _draft_model(self, args: LLMArgs, mesh_cfg: MeshConfig) -> Any:
+        """The draft model of speculative={"method": "draft", ...}, checked against the target (None otherwise);
+        and k checked against the token budget (a step must hold a row's k + 1 tokens)."""
+        spec = args.speculative
+        if spec is None:
+            return None
+        if spec.num_speculative_tokens + 1 > args.max_num_batched_tokens:
+            raise InvalidInput.of("LLM argument ", "speculative.num_speculative_tokens", spec.num_speculative_tokens,
+                                  f"at most max_num_batched_tokens - 1 ({args.max_num_batched_tokens - 1})")
+        if spec.model is None:
+            return None
+        from jaxinfer.draft_model import DraftModel
+
+        return DraftModel(spec, self.model_config, mesh_cfg, random_weights=args.random_weights)
 
     def _load_weights(self, checkpoint: Any, random_weights: bool, seed: int) -> Any:
         specs = self.family.param_specs(self.model_config, self.dtype)
@@ -204,6 +226,8 @@ class LLM:
         if cache.num_pages is not None:
             return cache.num_pages
         per_page = bytes_per_page(self.model_config, cache.page_size, self.dtype, mesh)
+        if self.draft is not None:  # the draft's cache has as many pages
+            per_page += self.draft.bytes_per_page(cache.page_size, self.dtype, mesh)
         total, used = device_memory(mesh)
         if cache.gpu_memory_utilization is not None:
             pages = pages_for_utilization(cache.gpu_memory_utilization, per_page, total, used)
@@ -215,13 +239,13 @@ class LLM:
         from jaxinfer.engine.replicas import DataParallelEngines, split_replicas
 
         weights = split_replicas(self.weights, self.replica_meshes) if self.mesh.shape["data"] > 1 else [self.weights]
-        engines = [self._build_engine(mesh, w, prefix_caching, use_tqdm)
-                   for mesh, w in zip(self.replica_meshes, weights)]
+        engines = [self._build_engine(mesh, w, prefix_caching, use_tqdm, i)
+                   for i, (mesh, w) in enumerate(zip(self.replica_meshes, weights))]
         self.engine = engines[0] if len(engines) == 1 else DataParallelEngines(engines)
         if warmup:
             self.engine.warmup()
 
-    def _build_engine(self, mesh: Any, weights: Any, prefix_caching: bool, use_tqdm: bool) -> Any:
+    def _build_engine(self, mesh: Any, weights: Any, prefix_caching: bool, use_tqdm: bool, replica: int = 0) -> Any:
         from jaxinfer.engine.engine import Engine
         from jaxinfer.engine.runner import ModelRunner
 
@@ -233,11 +257,17 @@ class LLM:
             self.family, self.model_config, weights, kv_cache, mesh, self.rules,
             attention_impl=self.engine_config.attention_impl, interpret=self.engine_config.interpret,
         )
+        draft_runner = None
+        if self.draft is not None:
+            cfg = self.engine_config
+            draft_runner = self.draft.runner(mesh, self.draft_weights[replica], num_pages, self.cache_config.page_size,
+                                             self.dtype, cfg.attention_impl, cfg.interpret)
         engine = Engine(
             runner, self.tokenizer, self.engine_config, self.cache_config,
             enable_prefix_caching=prefix_caching, use_tqdm=use_tqdm,
             decode_steps_per_call=self.decode_steps_per_call, overlap_decode=self.overlap_decode,
-            compile_threads=self.compile_threads, seed=self.args.seed,
+            compile_threads=self.compile_threads, seed=self.args.seed, speculative=self.args.speculative,
+            draft_runner=draft_runner,
         )
         if self.args.seed is None and distributed.is_multiprocess():  # every process must draw the same seeds
             engine.reseed(distributed.shared_seed(int(np.random.default_rng().integers(2**62))))

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from jaxinfer.errors import InvalidInput, InvalidInputType, Notice
+from jaxinfer.spec_config import ACCEPTED as SPECULATIVE_ACCEPTED, parse_speculative
 from jaxinfer.validation import FieldRule, Limits, is_int, is_real
 
 DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
@@ -131,9 +132,10 @@ LLM_ARG_RULES: tuple[FieldRule, ...] = (
     _r("random_weights", False, "True or False", _bool),
     _r("warmup", True, "True or False", _bool),
     _r("use_tqdm", True, "True or False", _bool),
+    _r("speculative", None, SPECULATIVE_ACCEPTED + " (jaxinfer.spec_config)", parse_speculative),
 )
 ARG_NAMES = tuple(r.name for r in LLM_ARG_RULES)
-ALIASES = {"page_size": "block_size"}  # documented before the vLLM names were adopted
+ALIASES = {"page_size": "block_size", "speculative_config": "speculative"}  # older names; vLLM's spelling
 NO_EFFECT: dict[str, tuple[Any, str]] = {  # name -> (vLLM's default, why it changes nothing here)
     "trust_remote_code": (False, "jaxinfer never runs code from a checkpoint; its architectures are built in"),
     "download_dir": (None, "nothing is ever downloaded; models are local files, directories or bundled aliases"),
@@ -153,7 +155,6 @@ REFUSED: dict[str, tuple[Any, str]] = {  # name -> (vLLM's default, what to do i
     "skip_tokenizer_init": (False, "a model without a tokenizer takes token-id prompts anyway"),
     "pipeline_parallel_size": (1, "use tensor_parallel_size (and data_parallel_size for more replicas)"),
     "enable_lora": (False, "LoRA adapters are not supported yet"),
-    "speculative_config": (None, "speculative decoding is not supported yet"),
     "cpu_offload_gb": (0, "weights stay on the device"),
 }
 
@@ -190,6 +191,7 @@ class LLMArgs:
     random_weights: bool = False
     warmup: bool = True
     use_tqdm: bool = True
+    speculative: Any = None  # a jaxinfer.spec_config.SpeculativeConfig once checked
 
 
 def resolve_llm_args(given: Mapping[str, Any], *, where: str = "LLM argument ") -> LLMArgs:

@@ -49,7 +49,7 @@ def llm_args_table() -> str:
     aliases = ", ".join(f"`{old}` = `{new}`" for old, new in ALIASES.items())
     notices = "\n".join(f"- `{name}` (vLLM's default {_value(d)}): {why}." for name, (d, why) in NO_EFFECT.items())
     refused = "\n".join(f"- `{name}` (only {_value(d)}): {instead}." for name, (d, instead) in REFUSED.items())
-    return (f"{table}\n\nAliases kept from before the vLLM names: {aliases}.\n\n"
+    return (f"{table}\n\nOther spellings of these arguments (older jaxinfer names, vLLM's own): {aliases}.\n\n"
             f"vLLM arguments accepted with a one-line `Notice` when set, because they cannot change results here:\n\n"
             f"{notices}\n\nvLLM arguments refused with an error when set to anything but vLLM's default, because "
             f"ignoring them would change results:\n\n{refused}")

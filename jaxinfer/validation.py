@@ -319,6 +319,8 @@ SAMPLING_RULES: tuple[FieldRule, ...] = (
           "'regex', 'choice' (a list of strings), 'grammar' (Lark/EBNF) or 'json_object': True (needs a tokenizer)",
           _structured, lambda v, p, limits: v is None or limits.has_tokenizer),
     _rule("extra_args", None, "None or a dict with string keys", _extra_args),
+    _rule("speculative", True, "True or False (False: this request never speculates, on an LLM with speculative "
+          "decoding)", _bool),
 )
 RULES_BY_NAME = {r.name: r for r in SAMPLING_RULES}
 

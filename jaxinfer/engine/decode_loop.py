@@ -212,6 +212,8 @@ class DecodeLoop:
         string) runs on and its tokens are dropped when the call is applied (`_settled`).
         """
         n, k = self.steps_per_call, call.num_iterations
+        if self.engine.spec is not None:  # every step is planned, so each can speculate
+            return None
         if not self.engine.scheduler.runs_only({e.key for e in call.plan.seqs}):
             return None
         # A continuation reuses the call's sampling arrays, whose recent tokens the host has not seen yet.

@@ -5,7 +5,8 @@ arrays, `ModelRunner.step` runs forward + sampling on device, `RequestState` tur
 decides stops. This class wires them, builds each step's host arrays, and keeps the per-sequence sampling
 state (seeds, penalty slots) that must survive preemption. Its collaborators: `DecodeLoop` (decode_loop.py:
 several decode iterations per device call, overlapped with the host), `OutputPath` (output_path.py: tokens
-to request states and outputs, where one request can fail alone), and the batch API (frontend.py).
+to request states and outputs, where one request can fail alone), the batch API (frontend.py), and, with
+speculative decoding configured, `Speculator` (speculative.py: proposals, one verification step, rollback).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from jaxinfer.engine.sampling import (
     set_rows,
 )
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
+from jaxinfer.engine.speculative import Speculator
 from jaxinfer.engine.sequence import FinishReason, SeqKey, SequenceGroup
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.validation import RequestOutputKind
@@ -107,6 +109,8 @@ class Engine:
         overlap_decode: bool = True,
         compile_threads: int | None = None,
         seed: int | None = None,
+        speculative: Any = None,
+        draft_runner: ModelRunner | None = None,
     ) -> None:
         self.runner, self.tokenizer, self.use_tqdm = runner, tokenizer, use_tqdm
         self.loop = DecodeLoop(self, _at_least_one("decode_steps_per_call", decode_steps_per_call), overlap_decode)
@@ -150,6 +154,7 @@ class Engine:
         self._compiles_at_warmup: int | None = None
         self.num_steps = 0
         self.expert_counts = np.zeros(runner.num_experts, np.int64)  # MoE load: (token, expert) pairs so far
+        self.spec = _speculator(self, speculative, draft_runner)
 
     @property
     def decode_steps_per_call(self) -> int:
@@ -180,14 +185,20 @@ class Engine:
         calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
         for t in self.token_buckets:
             calls.append(("step", (self.penalties, *self._step_args(self.batch_shape(t), [], [], [])), {}))
+        draft_calls = []
+        if self.spec is not None:
+            verify_calls, draft_calls = self.spec.warmup_calls()
+            calls.extend(verify_calls)
         if self.decode_steps_per_call > 1:
             for rows in self.decode_row_buckets:
                 args = self._decode_args(self.decode_shape(rows), [], [], [], 0)
                 calls.append(("decode", (self.penalties, *args), {"max_steps": self.decode_steps_per_call}))
         with tqdm(total=1, desc=f"compiling {len(calls)} buckets", disable=not self.use_tqdm, leave=False):
             self.runner.precompile(calls, self.compile_threads)
+            if draft_calls:
+                self.spec.draft.runner.precompile(draft_calls, self.compile_threads)
         self.penalties = self._reset_rows(self.penalties, *self._reset_args([]))  # also compiled up front
-        self._compiles_at_warmup = self.runner.num_compiles
+        self._compiles_at_warmup = self.num_compiles
 
     def add_request(
         self, prompt: Any, params: SamplingParams | None = None, *, request_id: str | None = None,
@@ -259,6 +270,12 @@ class Engine:
                 state = self.requests[entry.key[0]]
                 if state.scheduled_time is None:  # its first chunk starts after the prefix-cache hits
                     state.scheduled_time, state.num_cached_tokens = now, entry.start_pos
+            if self.spec is not None:
+                self.times.add("schedule", t)
+                outputs = self.spec.run(plan)
+                if outputs is not None:
+                    return outputs
+                t = time.perf_counter()
             plan, num_iterations = self.loop.iterations(plan)
             slot_rows = self._slot_rows(plan)
             self.times.add("schedule", t)
@@ -328,6 +345,8 @@ class Engine:
         sampled, counts = jax.device_get((out.sampled, out.expert_counts))
         self.expert_counts += counts
         out = StepOutput(sampled, prompt)
+        if self.spec is not None:
+            self.spec.cost.record("step", shape.tokens, time.perf_counter() - t)
         self.times.add("device", t)
         return out
 
@@ -418,6 +437,14 @@ class Engine:
         self.slots = PenaltySlots(self.max_num_seqs)
         empty = PenaltyState.from_tokens([], [], self.max_num_seqs + 1, self.vocab_size)
         self.penalties = jax.device_put(empty, self.runner.penalty_sharding())
+        if self.spec is not None:
+            self.spec.reset()
+
+    @property
+    def num_compiles(self) -> int:
+        """Programs compiled so far: the model's, and a draft model's."""
+        draft = self.spec.draft if self.spec is not None else None
+        return self.runner.num_compiles + (draft.runner.num_compiles if draft is not None else 0)
 
     def generate(self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:
@@ -431,12 +458,14 @@ class Engine:
 
     def stats(self) -> dict[str, Any]:
         stats = dict(self.scheduler.stats())
-        after = None if self._compiles_at_warmup is None else self.runner.num_compiles - self._compiles_at_warmup
-        stats.update(num_compiles_after_warmup=after, num_compiles=self.runner.num_compiles, num_steps=self.num_steps,
+        after = None if self._compiles_at_warmup is None else self.num_compiles - self._compiles_at_warmup
+        stats.update(num_compiles_after_warmup=after, num_compiles=self.num_compiles, num_steps=self.num_steps,
                      num_overlapped_calls=self.loop.num_overlapped_calls, num_failed_steps=self.num_failed_steps,
                      step_time_s=dict(self.times.seconds))
         if self.expert_counts.size:
             stats.update(expert_load_stats(self.expert_counts))
+        if self.spec is not None:
+            stats.update(self.spec.stats.as_dict())
         return stats
 
 
@@ -446,6 +475,17 @@ def expert_load_stats(counts: np.ndarray) -> dict[str, Any]:
     mean = float(counts.mean())
     return {"expert_token_counts": [int(c) for c in counts],
             "expert_load_max_over_mean": float(counts.max()) / mean if mean > 0 else None}
+
+
+def _speculator(engine: Engine, cfg: Any, draft_runner: ModelRunner | None) -> Speculator | None:
+    """The engine's Speculator for a SpeculativeConfig (None: no speculation); `draft_runner` holds the draft
+    model of method 'draft' (its cache as many pages as the target's, see jaxinfer.engine.draft)."""
+    if cfg is None:
+        return None
+    from jaxinfer.engine.draft import DraftRunner
+
+    draft = None if draft_runner is None else DraftRunner(draft_runner, cfg.num_speculative_tokens, cfg.draft_sampling)
+    return Speculator(engine, cfg, draft)
 
 
 def _at_least_one(name: str, value: int) -> int:

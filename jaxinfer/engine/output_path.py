@@ -9,7 +9,7 @@ other request proceeds exactly as it would have.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from jaxinfer.engine.logprobs import collect_prompt_logprobs, sample_logprobs
 from jaxinfer.engine.request import RequestState
@@ -61,6 +61,44 @@ class OutputPath:
             sampled[entry.key] = token
             if reason is not None:
                 finished[entry.key] = reason
+        self._update(plan, sampled, finished)
+        return touched
+
+    def apply_verified(
+        self, plan: StepPlan, out: SamplerOutput, num_emitted: Sequence[int], rows: Sequence[int]
+    ) -> dict[str, RequestState]:
+        """`apply` for a speculative verification step: row rows[j] of out [S, K + 1] emitted
+        num_emitted[rows[j]] tokens (accepted proposals, then one more). They reach the request one by one, as
+        if decoded in turn; a stop (EOS, stop id or string) drops the tokens after it, and the scheduler hears
+        of the tokens kept (its rollback frees the KV of the rest)."""
+        sampled: dict[SeqKey, int | tuple[int, ...]] = {}
+        finished: dict[SeqKey, FinishReason] = {}
+        touched: dict[str, RequestState] = {}
+        positions = [SamplerOutput(*(a[:, j] for a in out)) for j in range(out.tokens.shape[1])]  # [S] each
+        for row, entry in zip(rows, plan.seqs):
+            state = self.engine.requests[entry.key[0]]
+            touched[state.request_id] = state
+            if state.error is not None or not entry.sample:
+                continue
+            tokens: list[int] = []
+            try:
+                for at in positions[: int(num_emitted[row])]:
+                    token = int(at.tokens[row])
+                    top = self._top(state, at, row, token)
+                    reason = state.on_token(entry.key[1], token, float(at.logprobs[row]), top)
+                    tokens.append(token)
+                    if reason is not None:
+                        finished[entry.key] = reason
+                        break
+            except Exception as e:  # noqa: BLE001
+                self.fail(state, e)
+                continue
+            sampled[entry.key] = tuple(tokens) if entry.num_draft else tokens[0]
+        self._update(plan, sampled, finished)
+        return touched
+
+    def _update(self, plan: StepPlan, sampled: dict[SeqKey, Any], finished: dict[SeqKey, FinishReason]) -> None:
+        """Tell the scheduler what the step produced; finish the sequences it stopped."""
         for key in self.engine.scheduler.update(plan, sampled, finished):
             self.engine.slots.release(key)
             state = self.engine.requests[key[0]]
@@ -68,7 +106,6 @@ class OutputPath:
                 state.finish(key[1], finished.get(key, FinishReason.LENGTH))
             except Exception as e:  # noqa: BLE001
                 self.fail(state, e)
-        return touched
 
     def fail(self, state: RequestState, error: BaseException) -> None:
         """Finish one request with "error" and free its pages; the others never notice."""

@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxinfer.attention import make_attention_fn
 from jaxinfer.expert_parallel import make_moe_fn
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.verify import VerifyInputs, verify, verify_logits
 from jaxinfer.engine.sampling import (
     MAX_LOGPROBS,
     PenaltyState,
@@ -104,6 +105,12 @@ class MultiStepOutput(NamedTuple):
     expert_counts: jax.Array | None = None  # [E] int32 summed over the call's iterations ([0] for dense models)
 
 
+class VerifyStepOutput(NamedTuple):
+    sampled: SamplerOutput  # [S, K + 1] emitted tokens (accepted proposals, then one more) and their logprobs
+    num_emitted: jax.Array  # [S] int32 accepted proposals + 1
+    expert_counts: jax.Array | None = None  # [E] int32 ([0] for dense models)
+
+
 class _DecodeCarry(NamedTuple):
     kv_cache: KVCache
     rows: PenaltyState  # [S, ...] this call's penalty rows
@@ -156,6 +163,11 @@ class ModelRunner:
             donate_argnums=(1, 2),
             static_argnames=("max_steps",),
         )
+        self._verify_step = jax.jit(
+            functools.partial(self._verify_step_impl, attn_fn=attn_fn), donate_argnums=(1, 2)
+        )
+        self.attn_fn = attn_fn  # for entry points registered from outside (a draft model's proposal loop)
+        self._entry_points = {"step": self._sample_step, "decode": self._decode_steps, "verify": self._verify_step}
 
     def penalty_sharding(self) -> PenaltyState:
         """Where the penalty state lives: output counts [S, V] split by vocabulary like the logits they
@@ -219,6 +231,24 @@ class ModelRunner:
             lambda: _empty_prompt_logprobs(batch.token_ids.shape[0]),
         )
         return *self._pin_state(kv_cache, penalties), StepOutput(out, prompt, counts)
+
+    def _verify_step_impl(
+        self, weights: Any, kv_cache: KVCache, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs,
+        spec: VerifyInputs, *, attn_fn: Any,
+    ) -> tuple[KVCache, PenaltyState, VerifyStepOutput]:
+        """Speculative verification (jaxinfer.engine.verify): the proposals are put into the step's tokens
+        (a draft model's arrive as device arrays), every row runs its tokens through the ragged batch as a
+        chunk, and each row keeps its accepted proposals plus one token. Rows without proposals sample as in
+        `step`. Rejected proposals leave KV behind their row's new length, which the host rolls back."""
+        self._count_compile()
+        kv_cache = copy_pages(kv_cache, inputs.copy_src, inputs.copy_dst)
+        token_ids = batch.token_ids.at[spec.draft_rows].set(spec.draft_tokens, mode="drop")  # [T]
+        hidden, kv_cache, counts = self._forward(weights, token_ids, batch.md, kv_cache, attn_fn)
+        logits = verify_logits(lambda h: self.family.compute_logits(weights, self.cfg, h), hidden, spec.logits_rows)
+        rows = jax.tree.map(lambda a: a[inputs.slots], penalties)  # [S, ...] this step's rows
+        out, rows = verify(logits, inputs.sampling, rows, spec, inputs.sample_mask, vocab=self.vocab)
+        penalties = set_rows(penalties, inputs.slots, rows)
+        return *self._pin_state(kv_cache, penalties), VerifyStepOutput(out.sampled, out.num_emitted, counts)
 
     def _prompt_logprobs(self, weights: Any, hidden: jax.Array, next_ids: jax.Array) -> PromptLogprobs:
         """Prompt logprobs of every position, PROMPT_LOGPROB_CHUNK positions at a time: the [T, V] fp32
@@ -295,10 +325,23 @@ class ModelRunner:
         )
         return penalties, out
 
+    def verify(self, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs, spec: VerifyInputs
+               ) -> tuple[PenaltyState, VerifyStepOutput]:
+        """One speculative verification step (see `_verify_step_impl`); cache and penalties in place."""
+        self.kv_cache, penalties, out = self._dispatch(
+            "verify", (self.weights, self.kv_cache, penalties, batch, inputs, spec), {}
+        )
+        return penalties, out
+
     # ------------------------------------------------------------------ ahead-of-time compilation
 
+    def register_entry_point(self, kind: str, jitted: Any) -> None:
+        """Another jitted function over (weights, kv_cache, ...) that `_dispatch`/`precompile` serve like
+        the built-in kinds (a draft model registers its proposal loop on its own runner)."""
+        self._entry_points[kind] = jitted
+
     def _jitted(self, kind: str) -> Any:
-        return {"step": self._sample_step, "decode": self._decode_steps}[kind]
+        return self._entry_points[kind]
 
     @staticmethod
     def _key(kind: str, args: tuple[Any, ...], static: dict[str, Any]) -> tuple[Any, ...]:

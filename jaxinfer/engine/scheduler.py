@@ -57,6 +57,9 @@ class ScheduledSeq(NamedTuple):
     kv_len:     total KV length after the step (start_pos + len(token_ids)); ARCHITECTURE.md's kv_lens[s].
     sample:     whether the logits of the last new token are sampled into a token for this sequence
                 (true for decodes and for the chunk that reaches the end of prompt + recomputed output).
+    num_draft:  speculative proposals appended to a decode (the engine's speculator adds them): token_ids is
+                the last token then num_draft proposals, and ``update`` takes the tokens the step emitted
+                (accepted proposals, then one more) and rolls back the KV of the rejected ones.
     """
 
     key: SeqKey
@@ -65,6 +68,7 @@ class ScheduledSeq(NamedTuple):
     page_ids: tuple[int, ...]
     kv_len: int
     sample: bool
+    num_draft: int = 0
 
     @property
     def num_new_tokens(self) -> int:
@@ -227,7 +231,8 @@ class Scheduler:
     ) -> list[SeqKey]:
         """Record that ``plan`` ran: advance computed tokens, append sampled tokens, finish sequences.
 
-        ``sampled`` must hold a token for every entry with ``sample=True`` (aborted ones may be missing).
+        ``sampled`` must hold a token for every entry with ``sample=True`` (aborted ones may be missing); for
+        an entry with proposals (``num_draft``), the tuple of tokens the step emitted for it.
         ``finished`` holds the engine's stop decisions, applied after the sampled tokens are appended (so a
         stop token is in ``output_token_ids``; hiding it is the detokenizer's business). A sequence that
         reaches ``max_tokens`` or ``max_model_len`` is finished with LENGTH even if the engine did not say so,
@@ -279,6 +284,19 @@ class Scheduler:
         if take > 0:
             seq.page_ids.extend(self.allocator.allocate(take))
         return tuple(seq.page_ids)
+
+    def reserve_draft_slots(self, key: SeqKey, start: int, num: int) -> tuple[tuple[int, ...], list[PageCopy]] | None:
+        """Pages for ``num`` speculative proposals at positions ``start ..``, right after a decode the plan
+        already holds pages for; never preempts. (page table, copy-on-write copies), or None when the pages
+        are not free now (the sequence then decodes without proposals)."""
+        seq = self._live(key)
+        if seq is None:
+            return None
+        try:
+            copies = reserve_slots(self.allocator, seq.page_ids, start, num)
+        except OutOfPages:
+            return None
+        return tuple(seq.page_ids), copies
 
     def runs_only(self, keys: Collection[SeqKey]) -> bool:
         """Nothing waits to be admitted and every running sequence is one of ``keys``: what ``schedule()``
@@ -501,11 +519,28 @@ class Scheduler:
         if entry.sample:
             if entry.key not in sampled:
                 raise KeyError(f"no sampled token for {entry.key}, which the plan marked as sampling.")
-            seq.append_token(sampled[entry.key])
+            if entry.num_draft:
+                self._apply_verified(seq, entry, sampled[entry.key])
+            else:
+                seq.append_token(sampled[entry.key])
         if self.prefix_cache is not None:
             self.prefix_cache.register_computed(seq)
         if self._fork_pending(seq) and seq.num_computed_tokens == seq.num_prompt_tokens - 1:
             self._fork(seq)
+
+    def _apply_verified(self, seq: Sequence, entry: ScheduledSeq, tokens: tuple[int, ...]) -> None:
+        """A speculative row emitted ``tokens``: the proposals accepted before the last of them are now
+        computed; the KV written for rejected proposals lies past ``num_computed_tokens``, so no step reads
+        it, and the pages that hold nothing but such KV go back to the pool (rollback)."""
+        if not 1 <= len(tokens) <= entry.num_draft + 1:
+            raise ValueError(f"{entry.key}: {len(tokens)} tokens emitted for {entry.num_draft} proposals.")
+        seq.num_computed_tokens = entry.start_pos + len(tokens)
+        for token in tokens:
+            seq.append_token(token)
+        keep = pages_for_tokens(seq.num_computed_tokens + 1, self.page_size)  # room for the next token's KV
+        if len(seq.page_ids) > keep:
+            self.allocator.free(seq.page_ids[keep:])
+            del seq.page_ids[keep:]
 
     def _at_length_limit(self, seq: Sequence) -> bool:
         if seq.num_tokens >= self.max_model_len:

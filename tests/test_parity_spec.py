@@ -1,0 +1,76 @@
+"""Speculative decoding on the real SmolLM2-135M (bundled GGUF, float32, CPU): greedy output with n-gram and
+with draft-model proposals is exactly the HF transformers goldens' (scripts/make_golden.py), unsharded and over
+3 forced CPU devices (tensor parallel 3, the degree SmolLM2's 3 kv heads allow)."""
+
+from __future__ import annotations
+
+import pytest
+
+from jaxinfer import LLM
+from test_parity import ENGINE_KW, greedy_params
+
+pytestmark = pytest.mark.slow
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+# The model as its own draft: a valid draft (same tokenizer) whose greedy proposals are all accepted.
+SELF_DRAFT = {"method": "draft", "model": "smollm2-135m-instruct", "num_speculative_tokens": 3}
+KW = {**ENGINE_KW, "max_num_batched_tokens": 32, "max_num_seqs": 4}  # fewer buckets to compile than test_parity's
+
+
+def _always_speculate(llm: LLM) -> LLM:
+    """The measured cost model may decline on CPU; these tests are about exactness, so every step speculates."""
+    llm.engine.spec.cost.worth = lambda *args: True
+    return llm
+
+
+def _check_goldens(llm: LLM, cases: list[dict]) -> None:
+    before = llm.engine_stats()["spec_draft_tokens"]
+    outs = llm.generate([c["prompt_ids"] for c in cases], [greedy_params(c["max_new_tokens"]) for c in cases])
+    for case, out in zip(cases, outs):
+        assert out.token_ids == case["output_ids"], case["prompt"]
+    stats = llm.engine_stats()
+    assert stats["spec_draft_tokens"] > before and stats["spec_accepted_tokens"] > 0
+    assert stats["num_compiles_after_warmup"] == 0
+    assert stats["free_pages"] == stats["total_pages"]
+
+
+@pytest.fixture(scope="module")
+def ngram_llm() -> LLM:
+    return LLM("smollm2-135m-instruct", speculative=NGRAM, **KW)  # the measured cost model decides, as in use
+
+
+def test_ngram_greedy_equals_hf(ngram_llm: LLM, smollm2_golden: dict) -> None:
+    _check_goldens(ngram_llm, smollm2_golden["greedy"])
+
+
+def test_ngram_on_a_copying_prompt_is_1_8x_faster_with_identical_output(ngram_llm: LLM) -> None:
+    """Issue 17's bar, measured in this one run at batch 1: a prompt whose answer copies spans of it, plain
+    decoding (its own LLM, compiling only what it uses) against n-gram speculation (k = 8), best of 2 timed
+    runs each after an untimed one. Measured 2.96x on the 2-core CI machine; SmolLM2 copies the text whole."""
+    from jaxinfer.bench.spec import best_greedy, copy_prompt, measure_copy
+
+    plain = LLM("smollm2-135m-instruct", **{**KW, "warmup": False})
+    prompt = plain.tokenizer.encode(copy_prompt(1))
+    baseline = best_greedy(plain, prompt, 64, 2)
+    # The cost model's acceptance estimate is one running average per engine: after the goldens' free text
+    # (few n-gram hits) it would refuse most steps of this prompt for a while. Per-request acceptance is a
+    # follow-up; here every step speculates, which is what the bar measures.
+    cost = ngram_llm.engine.spec.cost
+    cost.worth = lambda *args: True
+    try:
+        result = measure_copy(baseline, ngram_llm, prompt, 64, 2)
+    finally:
+        del cost.worth
+    assert result["identical"] and result["output_tokens"] == 64
+    assert result["spec_acceptance_rate"] > 0.9
+    assert result["speedup"] >= 1.8, result
+
+
+def test_self_draft_under_tensor_parallel_3_equals_hf(smollm2_golden: dict) -> None:
+    """Target over 3 devices, the model as its own draft on the first of them (draft_tensor_parallel_size=1):
+    the proposals move to the target's devices for verification; unsharded == sharded == HF."""
+    spec = {**SELF_DRAFT, "draft_tensor_parallel_size": 1}
+    llm = _always_speculate(LLM("smollm2-135m-instruct", tensor_parallel_size=3, speculative=spec, **KW))
+    assert len(llm.engine.spec.draft.runner.mesh.devices.flat) == 1
+    _check_goldens(llm, smollm2_golden["greedy"])
+    assert llm.engine_stats()["spec_acceptance_rate"] > 0.95  # the target agrees with itself (ties aside)
