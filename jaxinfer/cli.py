@@ -1,4 +1,4 @@
-"""Command line: `jaxinfer generate | batch | bench | convert`.
+"""Command line: `jaxinfer generate | batch | bench | convert | serve | bench-serve`.
 
 Every user mistake (a bad argument, job file, record section, checkpoint or path) ends the command with one
 line on stderr naming what is wrong, and exit code 2; bad records inside a batch job do not end it (they go
@@ -16,15 +16,37 @@ from jaxinfer.config import ConfigError
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="smollm2-135m-instruct", help="GGUF file, HF/orbax directory or preset alias")
-    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="auto: bfloat16 on GPU/TPU, float32 on CPU")
     p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--data-parallel-size", type=int, default=1)
+    p.add_argument("--expert-parallel-size", type=int, default=1)
+    p.add_argument("--sequence-parallel-size", type=int, default=1)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=16)
-    p.add_argument("--max-num-batched-tokens", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=None, help="default: the platform's (jaxinfer.platform)")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: the platform's")
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV page (default 16)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of each device's memory the engine may use (vLLM's meaning)")
     p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas_tpu", "pallas_gpu"])
+
+
+def _distributed_args(p: argparse.ArgumentParser) -> None:
+    """Joining a multi-host run (jaxinfer.distributed.initialize); the JAX_* environment variables, or on a
+    TPU pod nothing at all, work too."""
+    p.add_argument("--coordinator-address", default=None, help="host:port of process 0 (JAX_COORDINATOR_ADDRESS)")
+    p.add_argument("--num-processes", type=int, default=None, help="JAX_NUM_PROCESSES")
+    p.add_argument("--process-id", type=int, default=None, help="JAX_PROCESS_ID")
+
+
+def _join(args: argparse.Namespace) -> None:
+    """Join a multi-process run when the command line or the environment asks for one."""
+    import os
+
+    from jaxinfer import distributed
+
+    if args.coordinator_address or args.num_processes or os.environ.get(distributed.ENV_ADDRESS):
+        distributed.initialize(args.coordinator_address, args.num_processes, args.process_id)
 
 
 def _sampling_args(p: argparse.ArgumentParser) -> None:
@@ -40,16 +62,27 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     gen = sub.add_parser("generate", help="generate continuations for prompts")
     _engine_args(gen)
+    _distributed_args(gen)
     _sampling_args(gen)
     gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
     gen.add_argument("--chat", action="store_true", help="wrap each prompt as a user turn of the chat template")
     gen.add_argument("--stream", action="store_true", help="print text as it is generated (one prompt)")
     batch = sub.add_parser("batch", help="run a YAML or gin batch job (resumable)")
     batch.add_argument("job", help="path to JOB.yaml or JOB.gin")
+    _distributed_args(batch)
     bench = sub.add_parser("bench", help="end-to-end benchmark: throughput grid, concurrency sweep, MBU/MFU, HF baseline")
     from jaxinfer.bench.main import add_arguments
 
     add_arguments(bench)
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server (needs the `serve` extra)",
+                           description=_serve_doc())
+    from jaxinfer.serve.main import add_arguments as add_serve_arguments
+
+    add_serve_arguments(serve)
+    bench_serve = sub.add_parser("bench-serve", help="load generator against an OpenAI-compatible server")
+    from jaxinfer.bench.serve_bench import add_arguments as add_bench_serve_arguments
+
+    add_bench_serve_arguments(bench_serve)
     conv = sub.add_parser("convert", help="convert a checkpoint to an orbax directory")
     conv.add_argument("src")
     conv.add_argument("dst")
@@ -59,13 +92,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _llm(args: argparse.Namespace):  # noqa: ANN202 - imported lazily: JAX start-up is slow for --help
     from jaxinfer import LLM
+    from jaxinfer.describe import format_description
 
-    return LLM(
+    _join(args)
+    llm = LLM(
         args.model, dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+        data_parallel_size=args.data_parallel_size, expert_parallel_size=args.expert_parallel_size,
+        sequence_parallel_size=args.sequence_parallel_size,
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, attention_impl=args.attention_impl,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
     )
+    print(format_description(llm.describe()), file=sys.stderr)  # the mesh and memory, once, at start
+    return llm
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -102,6 +141,7 @@ def cmd_convert(args: argparse.Namespace) -> int:
 def cmd_batch(args: argparse.Namespace) -> int:
     from jaxinfer.batch import run_job
 
+    _join(args)
     run_job(args.job)
     return 0
 
@@ -112,11 +152,30 @@ def cmd_bench(args: argparse.Namespace, argv: list[str]) -> int:
     return execute(args, argv[argv.index("bench") + 1 :])
 
 
+def _serve_doc() -> str:
+    from jaxinfer.serve import main as serve_main
+
+    return serve_main.__doc__ or ""
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from jaxinfer.serve.main import serve
+
+    return serve(args)
+
+
+def cmd_bench_serve(args: argparse.Namespace) -> int:
+    from jaxinfer.bench.serve_bench import execute
+
+    return execute(args)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     handlers = {"generate": cmd_generate, "convert": cmd_convert, "batch": cmd_batch,
-                "bench": lambda a: cmd_bench(a, argv)}
+                "bench": lambda a: cmd_bench(a, argv), "serve": cmd_serve,
+                "bench-serve": cmd_bench_serve}
     try:
         return handlers[args.command](args)
     except (ConfigError, CheckpointError, ValueError, OSError) as e:  # user mistakes: one line, no traceback

@@ -372,6 +372,8 @@ class SamplingParams(FromDict):
     allowed_token_ids: tuple[int, ...] | None = None  # only these may be sampled
     bad_words: tuple[str, ...] = ()  # never generated, as token sequences (with and without a leading space)
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # Output constrained to a JSON schema, regex, choice or grammar (jaxinfer.structured.StructuredOutputs).
+    structured: Any = None
     extra_args: dict[str, Any] | None = None  # carried along untouched, for the caller's own use
 
     def __post_init__(self) -> None:

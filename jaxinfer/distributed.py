@@ -13,6 +13,7 @@ Only process 0 writes shared outputs (`is_writer`).
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 from typing import Any
 
@@ -98,6 +99,26 @@ def check_same_everywhere(what: str, *parts: Any) -> None:
         )
 
 
+def spans_processes(devices_per_replica: int) -> bool:
+    """Whether one engine replica of that many devices spans processes (then every process runs the same
+    requests and only process 0 writes); otherwise each process serves its own replicas and requests."""
+    return is_multiprocess() and devices_per_replica > jax.local_device_count()
+
+
+def broadcast_json(value: Any) -> Any:
+    """Process 0's JSON-serializable `value` on every process (e.g. which records are still to do)."""
+    if not is_multiprocess():
+        return value
+    from jax.experimental import multihost_utils
+
+    data = np.frombuffer(json.dumps(value).encode(), np.uint8)
+    size = int(multihost_utils.broadcast_one_to_all(np.asarray(data.size, np.int32)))
+    buffer = np.zeros(size, np.uint8)
+    buffer[: min(size, data.size)] = data[:size]
+    got = np.asarray(multihost_utils.broadcast_one_to_all(buffer), np.uint8)
+    return json.loads(got.tobytes().decode())
+
+
 def shared_seed(local_seed: int) -> int:
     """Process 0's seed on every process (unseeded requests must draw the same seeds everywhere)."""
     if not is_multiprocess():
@@ -109,5 +130,5 @@ def shared_seed(local_seed: int) -> int:
     return int(hi) << 32 | int(lo)
 
 
-__all__ = ["check_same_everywhere", "fingerprint", "initialize", "is_multiprocess", "is_writer",
-           "min_over_processes", "shared_seed"]
+__all__ = ["broadcast_json", "check_same_everywhere", "fingerprint", "initialize", "is_multiprocess", "is_writer",
+           "min_over_processes", "shared_seed", "spans_processes"]

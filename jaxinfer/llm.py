@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from pathlib import Path
@@ -31,6 +32,7 @@ from jaxinfer.linear import Linear
 from jaxinfer.models import family_for_config, with_linear
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.params import init_params
+from jaxinfer.platform import FIELDS as PLATFORM_FIELDS, announce, fill_defaults
 from jaxinfer.quantization import (QuantizationConfig, QuantizationError, check_plan, check_platform, logical_shards,
                                    quantized_specs, resolve_plan)
 from jaxinfer.presets import BUNDLED, bundled_checkpoint, is_alias, load_preset
@@ -115,8 +117,8 @@ class LLM:
         seed: int | None = 0,
         max_model_len: int | None = None,
         gpu_memory_utilization: float | None = None,
-        max_num_seqs: int = 16,
-        max_num_batched_tokens: int = 512,
+        max_num_seqs: int | None = None,
+        max_num_batched_tokens: int | None = None,
         block_size: int | None = None,
         enable_prefix_caching: bool = True,
         tensor_parallel_size: int = 1,
@@ -128,7 +130,7 @@ class LLM:
         enforce_eager: bool = False,
         num_pages: int | None = None,
         memory_fraction: float | None = None,
-        decode_steps_per_call: int = 1,
+        decode_steps_per_call: int | None = None,
         overlap_decode: bool = True,
         compile_threads: int | None = None,
         compilation_cache_dir: str | Path | None = "auto",
@@ -141,7 +143,10 @@ class LLM:
     ) -> None:
         # Every keyword above goes through the one checked table (jaxinfer.llm_args.LLM_ARG_RULES).
         given = {k: v for k, v in locals().items() if k not in ("self", "model", "kwargs", "__class__")}
-        args = self.args = resolve_llm_args({**given, **kwargs})
+        args = resolve_llm_args({**given, **kwargs})
+        # Engine knobs left unset take the platform's defaults (jaxinfer.platform), announced once loaded.
+        chosen = fill_defaults({f: getattr(args, f) for f in PLATFORM_FIELDS})
+        args = self.args = dataclasses.replace(args, **chosen)
         model = resolve_model_name(model)
         self.engine_config = EngineConfig(
             dtype=resolve_dtype(args.dtype),
@@ -188,6 +193,7 @@ class LLM:
         else:
             self.tokenizer = load_model_tokenizer(checkpoint, args.tokenizer)
         self._build_engines(args.enable_prefix_caching, args.warmup, args.use_tqdm)
+        announce(chosen)
 
     def _quantization_plan(self, checkpoint: Any, args: LLMArgs) -> Any:
         """Which weights are quantized and how (jaxinfer.quantization), checked against the model's shapes

@@ -113,11 +113,14 @@ LLM_ARG_RULES: tuple[FieldRule, ...] = (
        "[2, max_position_embeddings]", _opt_int, lambda v: v is None or v >= 2),
     _r("gpu_memory_utilization", None, "None or a number in (0, 1]: the share of each device's memory the engine "
        "may use, the KV cache getting what the weights leave", _opt_real, _fraction),
-    _r("memory_fraction", None, "None (0.5) or a number in (0, 1]: the share of memory still free after the "
+    _r("memory_fraction", None, "None (the platform's: 0.85 on GPU/TPU, 0.5 on CPU) or a number in (0, 1]: the "
+       "share of memory still free after the "
        "weights that the KV cache takes, when neither num_pages nor gpu_memory_utilization is set", _opt_real,
        _fraction),
-    _r("max_num_seqs", 16, "an integer >= 1", _int, lambda v: v >= 1),
-    _r("max_num_batched_tokens", 512, "an integer >= 1", _int, lambda v: v >= 1),
+    _r("max_num_seqs", None, "None (the platform's: 256 on GPU/TPU, 16 on CPU) or an integer >= 1", _opt_int,
+       lambda v: v is None or v >= 1),
+    _r("max_num_batched_tokens", None, "None (the platform's: 4096 on GPU/TPU, 512 on CPU) or an integer >= 1",
+       _opt_int, lambda v: v is None or v >= 1),
     _r("block_size", None, "None (16) or an integer >= 1: tokens per KV page", _opt_int,
        lambda v: v is None or v >= 1),
     _r("num_pages", None, "None or an integer >= 2: KV pages, page 0 reserved", _opt_int,
@@ -137,7 +140,8 @@ LLM_ARG_RULES: tuple[FieldRule, ...] = (
     _r("kv_cache_dtype", "auto", "'auto' (the model dtype), 'bfloat16', 'float16', 'float32', or 'fp8' ('fp8_e4m3') "
        "or 'int8' (quantized, one scale per token and KV head)", _kv_dtype, lambda v: v in KV_CACHE_DTYPES),
     _r("enforce_eager", False, "True or False (no effect: XLA programs are always compiled)", _bool),
-    _r("decode_steps_per_call", 1, "an integer >= 1", _int, lambda v: v >= 1),
+    _r("decode_steps_per_call", None, "None (the platform's: 8 on GPU/TPU, 4 on CPU) or an integer >= 1: decode "
+       "iterations per device call", _opt_int, lambda v: v is None or v >= 1),
     _r("overlap_decode", True, "True or False", _bool),
     _r("compile_threads", None, "None (half the cores) or an integer >= 1", _opt_int, lambda v: v is None or v >= 1),
     _r("compilation_cache_dir", "auto", "'auto', None or a directory path", _opt_path),
@@ -184,9 +188,9 @@ class LLMArgs:
     seed: int | None = 0
     max_model_len: int | None = None
     gpu_memory_utilization: float | None = None
-    memory_fraction: float = 0.5
-    max_num_seqs: int = 16
-    max_num_batched_tokens: int = 512
+    memory_fraction: float | None = None  # None: the platform's (jaxinfer.platform), filled in by LLM
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
     block_size: int = 16
     num_pages: int | None = None
     enable_prefix_caching: bool = True
@@ -197,7 +201,7 @@ class LLMArgs:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     enforce_eager: bool = False
-    decode_steps_per_call: int = 1
+    decode_steps_per_call: int | None = None
     overlap_decode: bool = True
     compile_threads: int | None = None
     compilation_cache_dir: str | None = "auto"
@@ -230,7 +234,6 @@ def resolve_llm_args(given: Mapping[str, Any], *, where: str = "LLM argument ") 
     if values["enforce_eager"]:
         _notice(f"{where}enforce_eager=True has no effect: XLA programs are always compiled.")
     values["block_size"] = 16 if values["block_size"] is None else values["block_size"]
-    values["memory_fraction"] = 0.5 if values["memory_fraction"] is None else values["memory_fraction"]
     return LLMArgs(**values)
 
 

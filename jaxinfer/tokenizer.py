@@ -318,6 +318,12 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._backend.vocab_size
 
+    @property
+    def backend(self) -> _Backend:
+        """The engine underneath (HF `tokenizers` or SentencePiece), for adapters that need its own form
+        (structured output hands llguidance the HF tokenizer's JSON)."""
+        return self._backend
+
     def _token_text(self, token_id: int | None) -> str | None:
         return None if token_id is None else self._backend.id_to_token(token_id)
 

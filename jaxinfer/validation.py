@@ -162,6 +162,12 @@ def _output_kind(v: Any) -> RequestOutputKind:
     raise _Reject
 
 
+def _structured(v: Any) -> Any:
+    from jaxinfer.structured import as_structured  # its own checks raise InvalidInput naming structured.<kind>
+
+    return as_structured(v)
+
+
 def _extra_args(v: Any) -> dict[str, Any] | None:
     if v is None:
         return None
@@ -309,6 +315,9 @@ SAMPLING_RULES: tuple[FieldRule, ...] = (
           "most {max_bad_word_tokens} tokens (needs a tokenizer)", _strings, _check_bad_words),
     _rule("output_kind", RequestOutputKind.CUMULATIVE, "a RequestOutputKind (CUMULATIVE, DELTA or FINAL_ONLY) "
           "or its name", _output_kind),
+    _rule("structured", None, "None, or a StructuredOutputs / a dict with exactly one of 'json' (a JSON schema), "
+          "'regex', 'choice' (a list of strings), 'grammar' (Lark/EBNF) or 'json_object': True (needs a tokenizer)",
+          _structured, lambda v, p, limits: v is None or limits.has_tokenizer),
     _rule("extra_args", None, "None or a dict with string keys", _extra_args),
 )
 RULES_BY_NAME = {r.name: r for r in SAMPLING_RULES}

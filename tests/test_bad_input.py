@@ -55,6 +55,9 @@ PLAUSIBLE = {
     "bad_words": st.lists(st.text(min_size=1, max_size=6), max_size=2),
     "output_kind": st.sampled_from(["cumulative", "delta", "final_only", 0, 1, 2]),
     "extra_args": st.dictionaries(st.text(max_size=3), st.integers(), max_size=2),
+    "structured": st.sampled_from([{"choice": ["yes", "no"]}, {"regex": "[a-z]{1,4}"}, {"regex": "("},
+                                   {"json": {"type": "integer", "minimum": 0, "maximum": 9}}, {"json_object": True},
+                                   {"grammar": 'start: "a" | "b"'}, {"choice": []}, {"json": 3}]),
 }
 FIELDS = [r.name for r in SAMPLING_RULES]
 OUTCOMES: collections.Counter = collections.Counter()  # (test, outcome): both outcomes must occur, see the end

@@ -23,7 +23,7 @@ def job(tmp: Path, **sections) -> Path:
     "case, message",
     [
         (lambda t: ["batch", str(t / "missing.yaml")], "no such job file"),
-        (lambda t: ["batch", str(job(t, engine={"max_num_seqs": "many"}))], "engine.max_num_seqs must be an integer"),
+        (lambda t: ["batch", str(job(t, engine={"max_num_seqs": "many"}))], "engine.max_num_seqs must be None (the platform's"),
         (lambda t: ["batch", str(job(t, engine={"revision": "v1"}))], "engine.revision='v1' is not supported"),
         (lambda t: ["batch", str(job(t, sampling={"temperature": "hot"}))], "SamplingParams.temperature must be"),
         (lambda t: ["batch", str(job(t, sampling={"stop": [""]}))], "SamplingParams.stop must be"),

@@ -164,7 +164,8 @@ def test_message_forms() -> None:
 
 def test_llm_arguments_vllm_names_aliases_notices_and_refusals() -> None:
     args = resolve_llm_args({"page_size": 8, "gpu_memory_utilization": 0.9, "dtype": "half", "max_model_len": 100})
-    assert (args.block_size, args.gpu_memory_utilization, args.dtype, args.memory_fraction) == (8, 0.9, "half", 0.5)
+    # memory_fraction None: the platform default (jaxinfer.platform), filled in by LLM
+    assert (args.block_size, args.gpu_memory_utilization, args.dtype, args.memory_fraction) == (8, 0.9, "half", None)
     assert resolve_llm_args({"block_size": 8, "page_size": 8}).block_size == 8
     with pytest.raises(InvalidInput, match="page_size and block_size are the same setting"):
         resolve_llm_args({"block_size": 8, "page_size": 4})

@@ -56,8 +56,10 @@ def check_ids(records: Sequence[dict[str, Any]], id_field: str, source: str) -> 
         seen[rid] = i
 
 
-def load_records(path: Path, id_field: str, source: RecordSource = read_jsonl) -> list[dict[str, Any]]:
-    """This process's shard of the input, through grain (records i, i + P, i + 2P, ... of P processes)."""
+def load_records(path: Path, id_field: str, source: RecordSource = read_jsonl,
+                 shard: bool = True) -> list[dict[str, Any]]:
+    """The input through grain: this process's shard (records i, i + P, i + 2P, ... of P processes), or all
+    of it when every process runs the same requests (`shard=False`: one replica spanning the processes)."""
     import grain
     import jax
 
@@ -66,7 +68,7 @@ def load_records(path: Path, id_field: str, source: RecordSource = read_jsonl) -
     records = source(path)
     check_ids(records, id_field, str(path))
     dataset = grain.MapDataset.source(records)
-    return list(dataset[jax.process_index() :: jax.process_count()])
+    return list(dataset[jax.process_index() :: jax.process_count()] if shard else dataset)
 
 
 class ResumableWriter:

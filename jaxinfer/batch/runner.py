@@ -9,14 +9,17 @@ and the summary counts it; every other record is written to the output once.
 from __future__ import annotations
 
 import json
+import math
 import time
 from collections import deque
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 from tqdm.auto import tqdm
 
+from jaxinfer import distributed
 from jaxinfer.batch.job import BatchJob, load_job
 from jaxinfer.batch.records import ResumableWriter, load_records, pending
 from jaxinfer.chat import chat_prompts
@@ -107,24 +110,62 @@ class JobStats:
 
 
 def run_job(path: str | Path, *, use_tqdm: bool = True) -> dict[str, Any]:
-    """Run (or resume) the job at `path`; returns the summary it also prints and writes."""
+    """Run (or resume) the job at `path`; returns the summary it also prints and writes.
+
+    Multi-host (after jaxinfer.distributed.initialize): when one engine replica spans the processes, every
+    process must run the same requests, so each reads the whole input, process 0 decides what is still to do
+    (its output files are the record) and only process 0 writes. Otherwise each process takes its own shard
+    of the input and writes its own files, named `<output>.process<i>-of-<n>.jsonl`."""
     job = load_job(path)
-    records = load_records(Path(job.input.path), job.input.id_field)
-    out_path = Path(job.output.path)
+    spans = distributed.spans_processes(devices_per_replica(job.llm_kwargs))
+    records = load_records(Path(job.input.path), job.input.id_field, shard=not spans)
+    out_path, error_path = (Path(p) for p in (job.output.path, job.output.errors))
+    if distributed.is_multiprocess() and not spans:
+        out_path, error_path = process_path(out_path), process_path(error_path)
+    writes = distributed.is_writer() or not spans
     # Both files key their lines by "id" (whatever the input's id_field is called).
-    with ResumableWriter(out_path, "id", "output.path") as writer, \
-            ResumableWriter(Path(job.output.errors), "id", "output.error_path") as errors:
+    with _writer(out_path, "output.path", writes) as writer, _writer(error_path, "output.error_path", writes) as errors:
         todo = pending(records, writer.done | errors.done, job.input.id_field)
+        if spans:  # the same records on every process, in the same order: process 0's list
+            done = set(distributed.broadcast_json(sorted(map(str, writer.done | errors.done))))
+            todo = [r for r in records if str(r[job.input.id_field]) not in done]
         skipped = len(records) - len(todo)
         llm = _load_llm(job, use_tqdm) if todo else None
         stats = JobStats()
         if llm is not None:
             _generate_all(job, llm, todo, _Sinks(writer, errors), stats, use_tqdm)
         summary = stats.summary(llm.engine_stats() if llm else {}, skipped)
-    summary_path = out_path.with_suffix(".summary.json")
-    summary_path.write_text(json.dumps(summary, indent=1), encoding="utf-8")
-    _print_report(out_path, Path(job.output.errors), summary)
+    if writes:
+        out_path.with_suffix(".summary.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        _print_report(out_path, error_path, summary)
     return summary
+
+
+def devices_per_replica(llm_kwargs: dict[str, Any]) -> int:
+    return math.prod(int(llm_kwargs.get(f"{k}_parallel_size", 1) or 1) for k in ("tensor", "expert", "sequence"))
+
+
+def process_path(path: Path) -> Path:
+    """This process's own file beside `path` (per-host replicas each write their share)."""
+    return path.with_name(f"{path.stem}.process{jax.process_index()}-of-{jax.process_count()}{path.suffix}")
+
+
+def _writer(path: Path, setting: str, writes: bool) -> Any:
+    """The resumable writer, or on a process that only follows process 0, one that keeps nothing."""
+    return ResumableWriter(path, "id", setting) if writes else _NoWriter()
+
+
+class _NoWriter:
+    done: set[Any] = frozenset()
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+    def __enter__(self) -> _NoWriter:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
 
 
 class _Sinks:

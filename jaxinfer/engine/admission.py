@@ -9,7 +9,8 @@ was, and `generate` can check a whole batch before queueing any of it. What it c
   3. the ids against the model: non-empty, inside the vocabulary, shorter than max_model_len;
   4. the fields whose range depends on the model (token ids in logit_bias, stop_token_ids and
      allowed_token_ids, truncate_prompt_tokens, stop strings and bad words needing a tokenizer), and the
-     bad words' token sequences against the sampler's width.
+     bad words' token sequences against the sampler's width;
+  5. a structured-output grammar compiles (once per distinct spec: jaxinfer.engine.grammar.GrammarCache).
 The scheduler then checks what only it knows (pages, max_num_seqs, request ids in use).
 """
 
@@ -19,6 +20,7 @@ import dataclasses
 from typing import Any, NamedTuple
 
 from jaxinfer.config import SamplingParams
+from jaxinfer.engine.grammar import GrammarCache
 from jaxinfer.errors import InvalidInput, InvalidInputType
 from jaxinfer.inputs import Prompt, parse_prompt
 from jaxinfer.validation import (
@@ -40,6 +42,7 @@ class Admission(NamedTuple):
     max_tokens: int  # params.max_tokens, or what max_model_len leaves after the prompt
     bad_words_ids: tuple[tuple[int, ...], ...]
     priority: int
+    grammar: Any = None  # the compiled structured-output template (GrammarCache.compile), or None
 
 
 def as_sampling_params(params: Any, field: str = "sampling_params") -> SamplingParams:
@@ -60,6 +63,7 @@ class Gate:
         self.tokenizer = tokenizer
         self.limits = Limits(vocab_size=vocab_size, max_model_len=max_model_len, eos_ids=tuple(sorted(eos_ids)),
                              has_tokenizer=tokenizer is not None)
+        self.grammars = None if tokenizer is None else GrammarCache(tokenizer, vocab_size, sorted(eos_ids))
 
     def admit(self, prompt: Any, params: Any, *, request_id: Any = None, priority: Any = 0,
               field: str = "prompt") -> Admission:
@@ -72,7 +76,8 @@ class Gate:
         bad = self._bad_word_ids(params.bad_words)
         left = self.limits.max_model_len - len(ids)
         max_tokens = left if params.max_tokens is None else params.max_tokens
-        return Admission(request_id, text, ids, params, max_tokens, bad, int(priority))
+        grammar = None if params.structured is None else self.grammars.compile(params.structured)
+        return Admission(request_id, text, ids, params, max_tokens, bad, int(priority), grammar)
 
     def _prompt_ids(self, prompt: Any, field: str) -> tuple[str | None, list[int]]:
         parsed = prompt if isinstance(prompt, Prompt) else parse_prompt(prompt, field)

@@ -97,6 +97,10 @@ class DecodeLoop:
             return plan, 1
         if any(e.num_new_tokens != 1 or not e.sample for e in plan.seqs):
             return plan, 1
+        # A structured-output row needs its grammar's next mask, which depends on the token just sampled:
+        # the host advances its matcher between tokens, so the call runs one iteration.
+        if any(self.engine.requests[e.key[0]].has_grammar for e in plan.seqs):
+            return plan, 1
         entries, room = [], n
         for e in plan.seqs:
             if len(e.page_ids) * self.engine.page_size - e.start_pos < n and self._is_generating(e):

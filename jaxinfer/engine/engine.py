@@ -35,6 +35,7 @@ from jaxinfer.engine.runner import DecodeInputs, ModelRunner, SampleInputs, Step
 from jaxinfer.engine.sampling import (
     PenaltyState,
     SamplingArrays,
+    unconstrained_bitmask,
     resolve_seed,
     set_rows,
 )
@@ -212,8 +213,12 @@ class Engine:
         text = self.tokenizer is not None and params.detokenize
         detoks = [IncrementalDetokenizer(self.tokenizer, ids, params.skip_special_tokens) if text else None
                   for _ in range(params.n)]
-        return RequestState(rid, adm.prompt, ids, params, seeds, [SeqOutput(d) for d in detoks], self.eos_ids,
-                            adm.max_tokens, output_kind, adm.bad_words_ids)
+        seqs = [SeqOutput(d) for d in detoks]
+        if adm.grammar is not None:  # structured output: each of the n sequences walks the grammar on its own
+            for seq in seqs:
+                seq.matcher = self.gate.grammars.matcher(adm.grammar)
+        return RequestState(rid, adm.prompt, ids, params, seeds, seqs, self.eos_ids, adm.max_tokens, output_kind,
+                            adm.bad_words_ids)
 
     def abort(self, request_id: str) -> RequestOutput | None:
         """Stop a request now; its pages return to the pool and its partial output is returned."""
@@ -340,7 +345,7 @@ class Engine:
             recent.append(generated if state.has_multi_token_bad_words else ())
         sampling = SamplingArrays.from_params(
             params, shape.seqs, self.vocab_size, steps=steps, seeds=seeds, eos_ids=sorted(self.eos_ids),
-            bad_words=bad, recent=recent,
+            bad_words=bad, recent=recent, token_bitmask=self._grammar_bitmask(shape, entries),
         )
         slot_arr = np.full(shape.seqs, self.slots.spare, np.int32)
         slot_arr[: len(slots)] = slots
@@ -351,6 +356,20 @@ class Engine:
             src[i], dst[i] = s, d
         next_ids, want = self._prompt_next_ids(shape, entries)
         return SampleInputs(sampling, slot_arr, mask, src, dst, next_ids, np.asarray(want))
+
+    def _grammar_bitmask(self, shape: BatchShape, entries: Sequence[ScheduledSeq]) -> np.ndarray | None:
+        """Allowed-token bits of the rows that sample under a structured-output grammar, filled by their
+        matchers in parallel (llguidance's threads); None when no row has one (the common case)."""
+        rows = []
+        for row, e in enumerate(entries):
+            matcher = self.requests[e.key[0]].seqs[e.key[1]].matcher if e.sample else None
+            if matcher is not None:
+                rows.append((matcher, row))
+        if not rows:
+            return None
+        bitmask = unconstrained_bitmask(shape.seqs, self.vocab_size)
+        self.gate.grammars.fill(rows, bitmask)
+        return bitmask
 
     def _prompt_next_ids(self, shape: BatchShape, entries: Sequence[ScheduledSeq]) -> tuple[np.ndarray, bool]:
         """Next prompt token at each position, for requests that asked for prompt logprobs."""

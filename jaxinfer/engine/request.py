@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from typing import Any
 
 from jaxinfer.config import SamplingParams
 from jaxinfer.engine.detokenize import IncrementalDetokenizer
@@ -44,6 +45,7 @@ class SeqOutput:
     stopped_on_string: bool = False
     delta_start: int = 0  # len(text) at the last stream report
     delta_tokens_start: int = 0
+    matcher: Any = None  # structured output: this sequence's grammar matcher (jaxinfer.engine.grammar)
 
 
 @dataclasses.dataclass
@@ -77,6 +79,10 @@ class RequestState:
         return all(s.finish_reason is not None for s in self.seqs)
 
     @property
+    def has_grammar(self) -> bool:
+        return self.seqs[0].matcher is not None
+
+    @property
     def has_multi_token_bad_words(self) -> bool:
         return any(len(w) > 1 for w in self.bad_words_ids)
 
@@ -94,9 +100,19 @@ class RequestState:
         if stop_token:
             out.stop_reason = token if token in self.params.stop_token_ids and token not in self._eos() else None
             out.finish_reason = FinishReason.STOP
+        elif out.matcher is not None and self._advance_grammar(out.matcher, token):
+            out.finish_reason = FinishReason.STOP
         if out.detok is not None and (not stop_token or self.params.include_stop_str_in_output):
             self._extend_text(out, token, check_stops=may_stop and not stop_token)
         return SeqFinishReason.STOP if out.finish_reason is FinishReason.STOP else None
+
+    @staticmethod
+    def _advance_grammar(matcher: Any, token: int) -> bool:
+        """Advance the sequence's grammar by `token`; True when the grammar is complete (nothing may follow).
+        A token the grammar refuses (the mask should make that impossible) fails this request alone."""
+        if not matcher.consume_token(token) or matcher.is_error():
+            raise RuntimeError(f"structured output: token {token} is not allowed here ({matcher.get_error()})")
+        return matcher.is_stopped()
 
     def _record_time(self, index: int) -> None:
         now = time.monotonic()

@@ -128,6 +128,9 @@ class SamplingArrays:
     bad_prefix: Array  # [S, W, R] i32 bad word tokens but the last, right-aligned, padded with -1 (any token)
     bad_last: Array  # [S, W] i32 the last token of each bad word, -1 for unused slots
     recent_tokens: Array  # [S, R] i32 the row's last R generated tokens, newest last, _NO_TOKEN before any
+    # Structured output: [S, ceil(V/32)] i32, bit v % 32 of word v // 32 set iff token v may be sampled, filled
+    # on the host by the row's grammar matcher (jaxinfer.engine.grammar); -1 (every bit set) where unconstrained.
+    token_bitmask: Array
 
     @classmethod
     def from_params(
@@ -144,6 +147,7 @@ class SamplingArrays:
         rng: np.random.Generator | None = None,
         bad_words: Sequence[Sequence[Sequence[int]]] | None = None,
         recent: Sequence[Sequence[int]] | None = None,
+        token_bitmask: np.ndarray | None = None,
     ) -> SamplingArrays:
         """Host (NumPy) arrays for `params_list` in rows 0..len-1, padded to `num_rows` harmless rows.
 
@@ -151,12 +155,14 @@ class SamplingArrays:
         `resolve_seed`); where missing, params.seed, else a draw from `rng`. eos_ids: the model's EOS ids,
         suppressed with stop_token_ids under min_tokens unless the request sets ignore_eos. bad_words[i]: the
         row's bad words as token sequences (they need the tokenizer, so the caller encodes them); recent[i]:
-        the tokens row i generated so far (only the last R are kept).
+        the tokens row i generated so far (only the last R are kept). token_bitmask: [num_rows, ceil(V/32)]
+        int32 allowed-token bits of constrained rows (structured output), -1 elsewhere; None: no row is.
         """
         if len(params_list) > num_rows:
             raise ValueError(f"num_rows must be >= the number of requests ({len(params_list)}), got {num_rows}.")
         rng = rng if rng is not None else np.random.default_rng()
         cols = _padding_columns(num_rows, max_logit_bias, max_stop_ids)
+        cols["token_bitmask"] = unconstrained_bitmask(num_rows, vocab_size) if token_bitmask is None else token_bitmask
         for row, p in enumerate(params_list):
             step = 0 if steps is None else int(steps[row])
             seed = None if seeds is None else seeds[row]
@@ -174,6 +180,11 @@ class SamplingArrays:
             shifted = jnp.concatenate([recent[:, 1:], tokens[:, None].astype(recent.dtype)], axis=1)  # [S, R]
             recent = shifted if active is None else jnp.where(active[:, None], shifted, recent)
         return dataclasses.replace(self, step=self.step + 1, recent_tokens=recent)
+
+
+def unconstrained_bitmask(num_rows: int, vocab_size: int) -> np.ndarray:
+    """[num_rows, ceil(V/32)] int32 with every bit set: no structured-output constraint."""
+    return np.full((num_rows, _num_words(vocab_size)), -1, np.int32)
 
 
 def resolve_seed(seed: int | None, sample_index: int, rng: np.random.Generator) -> int:
@@ -374,9 +385,21 @@ def process_logits(logits: jax.Array, arrays: SamplingArrays, penalties: Penalty
 
 def apply_token_masks(x: jax.Array, arrays: SamplingArrays) -> jax.Array:
     """Ban tokens by request (after bias and penalties, so nothing can lift a ban): bad words whose prefix the
-    row just generated lose their last token, and rows with allowed_token_ids keep only those. Data in the
-    arrays, so no request recompiles the step and nothing goes back to the host between tokens."""
-    return _apply_allowed_ids(_apply_bad_words(x, arrays), arrays)
+    row just generated lose their last token, rows with allowed_token_ids keep only those, and rows under a
+    structured-output grammar keep only what its bitmask allows. Data in the arrays, so no request recompiles
+    the step."""
+    return _apply_bitmask(_apply_allowed_ids(_apply_bad_words(x, arrays), arrays), arrays.token_bitmask)
+
+
+def _apply_bitmask(x: jax.Array, bitmask: jax.Array) -> jax.Array:
+    """Tokens whose bit is 0 become -inf. The [S, V] unpacking runs only in steps where some row has a cleared
+    bit (`lax.cond`), so batches without structured output pay one [S, V/32] comparison."""
+
+    def restrict() -> jax.Array:
+        allowed = _unpack_bits(lax.bitcast_convert_type(bitmask, jnp.uint32), x.shape[1])  # [S, V]
+        return jnp.where(allowed, x, -jnp.inf)  # [S, V]
+
+    return lax.cond(jnp.any(bitmask != -1), restrict, lambda: x)
 
 
 def _apply_bad_words(x: jax.Array, arrays: SamplingArrays) -> jax.Array:

@@ -128,3 +128,12 @@ def test_gin_job_equals_yaml_job() -> None:
     root = Path(__file__).resolve().parents[2]
     assert load_job(root / "configs/jobs/quickstart.gin").replace(output=None) == load_job(
         root / "configs/jobs/quickstart.yaml").replace(output=None)
+
+
+def test_multi_host_layout_helpers() -> None:
+    """Which records a process runs and which files it writes follow the replica size (runner.run_job)."""
+    from jaxinfer.batch.runner import devices_per_replica, process_path
+
+    assert devices_per_replica({"tensor_parallel_size": 4, "expert_parallel_size": 2}) == 8
+    assert devices_per_replica({"data_parallel_size": 4}) == 1  # replicas are not one replica's devices
+    assert process_path(Path("out/res.jsonl")) == Path("out/res.process0-of-1.jsonl")

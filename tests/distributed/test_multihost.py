@@ -2,7 +2,8 @@
 
 Both processes run the same program (tests/distributed/multihost_worker.py) through jax.distributed over
 the gloo CPU collectives; the mesh spans them, so every layer's all-reduce crosses processes. Greedy tokens
-of the bundled Gemma-3-270M must equal HF's golden tokens, which the single-process parity test also pins.
+of the bundled Gemma-3-270M must equal HF's golden tokens, which the single-process parity test also pins,
+through the Python API and through a batch job (whose records every process runs and process 0 alone writes).
 """
 
 from __future__ import annotations
@@ -51,3 +52,6 @@ def test_two_processes_tensor_parallel_4_give_the_golden_tokens(tmp_path: Path, 
     result = json.loads(out.read_text())
     assert result["process_count"] == 2 and len(result["devices"]) == 4 and result["mesh"]["tensor"] == 4
     assert result["tokens"] == result["want"]
+    # The batch job: both processes ran every record, process 0 alone wrote them, once each.
+    assert result["job_tokens"] == result["want"] and result["job_completed"] == 2
+    assert sorted(p.name for p in tmp_path.glob("out*.jsonl")) == ["out.errors.jsonl", "out.jsonl"]  # no per-process files

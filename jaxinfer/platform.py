@@ -1,0 +1,57 @@
+"""Engine defaults that fit the platform: what `LLM(model)` with no engine knobs runs with.
+
+A GPU or TPU serves many sequences at once and is fed from a host that must stay out of the way, so it gets
+a wide batch (256 sequences, a 4096-token step budget), 8 decode iterations per device call and most of the
+memory the weights leave for the KV cache. A CPU (tests, laptops, notebooks) gets a small batch and half of
+the memory; 4 decode iterations per call there because one token per call spends most of each step in the
+host. Any of them passed explicitly wins. The values chosen are printed once per process, so a user sees
+what ran without reading this file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class PlatformDefaults:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    decode_steps_per_call: int
+    memory_fraction: float  # of each device's memory still free after the weights, for the KV cache
+
+
+CPU = PlatformDefaults(max_num_seqs=16, max_num_batched_tokens=512, decode_steps_per_call=4, memory_fraction=0.5)
+ACCELERATOR = PlatformDefaults(max_num_seqs=256, max_num_batched_tokens=4096, decode_steps_per_call=8,
+                               memory_fraction=0.85)
+FIELDS = tuple(f.name for f in dataclasses.fields(PlatformDefaults))
+
+_announced: set[tuple[str, tuple[tuple[str, object], ...]]] = set()
+
+
+def platform_defaults(backend: str | None = None) -> PlatformDefaults:
+    return CPU if (backend or jax.default_backend()) == "cpu" else ACCELERATOR
+
+
+def fill_defaults(values: dict[str, object], backend: str | None = None) -> dict[str, object]:
+    """The platform's default for every None among FIELDS in `values` (only those)."""
+    defaults = platform_defaults(backend)
+    return {name: getattr(defaults, name) for name in FIELDS if values.get(name) is None}
+
+
+def announce(chosen: dict[str, object], backend: str | None = None) -> None:
+    """Print the defaults chosen, once per process and set of values (after the model loaded: an error
+    about the model must stay the only line a failed start prints)."""
+    if not chosen:
+        return
+    backend = backend or jax.default_backend()
+    key = (backend, tuple(sorted(chosen.items())))
+    if key in _announced:
+        return
+    _announced.add(key)
+    settings = ", ".join(f"{k}={v}" for k, v in chosen.items())
+    print(f"jaxinfer: {backend} defaults {settings} (pass any of them to LLM(...) to choose otherwise)",
+          file=sys.stderr)

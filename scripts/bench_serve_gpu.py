@@ -1,0 +1,133 @@
+"""Issue 16's GPU acceptance in one command: the server against offline, and the cost of structured output.
+
+  1. `jaxinfer serve` on random weights of --model (Llama-3-8B shape) with the engine flags below, and a
+     tokenizer for structured output (--tokenizer: a directory with tokenizer.json; SmolLM2's works, its
+     49k ids being a subset of the model's vocabulary);
+  2. bench-serve at concurrency 64 with a JSON schema (`long_list`: 40 integers), then the same prompts
+     without a schema and with the output length the schema gave (same token counts, so tok/s compare);
+  3. bench-serve at concurrency 64 on --workload (plain, ignore_eos);
+  4. the server stopped, the same engine in this process: offline throughput on the same prompts
+     (jaxinfer.bench.workloads draws both from the same seed).
+Acceptance: server >= 90% of offline output tok/s; structured >= 90% of plain output tok/s. Written to
+--out (docs/benchmarks/serve.json in the repo) with every sweep in full.
+
+    PYTHONPATH=$PWD python3 scripts/bench_serve_gpu.py --tokenizer /path/to/smollm2-tokenizer --out $OUT/serve.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+ENGINE = {"max_num_seqs": 64, "max_num_batched_tokens": 4096, "max_model_len": 2048, "decode_steps_per_call": 8,
+          "memory_fraction": 0.9, "dtype": "bfloat16"}
+
+
+def flags(engine: dict[str, Any]) -> list[str]:
+    return [x for k, v in engine.items() for x in (f"--{k.replace('_', '-')}", str(v))]
+
+
+def start_server(args: argparse.Namespace, log: Path) -> subprocess.Popen:
+    cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", args.model, "--random-weights", "--port",
+           str(args.port), "--served-model-name", "bench", *flags(ENGINE)]
+    if args.tokenizer:
+        cmd += ["--tokenizer", args.tokenizer]
+    print("starting:", " ".join(cmd), flush=True)
+    proc = subprocess.Popen(cmd, stdout=log.open("wb"), stderr=subprocess.STDOUT, env=os.environ.copy())
+    deadline = time.monotonic() + args.start_timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with {proc.returncode}; see {log}")
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{args.port}/health", timeout=2).status == 200:
+                return proc
+        except OSError:
+            time.sleep(1)
+    proc.kill()
+    raise RuntimeError(f"the server did not start in {args.start_timeout} s; see {log}")
+
+
+def bench(args: argparse.Namespace, workload: str, structured: str | None, label: str) -> dict[str, Any]:
+    from jaxinfer.bench import serve_bench
+
+    p = argparse.ArgumentParser()
+    serve_bench.add_arguments(p)
+    argv = ["--base-url", f"http://127.0.0.1:{args.port}", "--workload", workload, "--num-prompts",
+            str(args.num_prompts), "--concurrency", "64", "--label", label]
+    if structured:
+        argv += ["--structured", structured]
+    return asyncio.run(serve_bench.run_all(p.parse_args(argv)))
+
+
+def offline(args: argparse.Namespace, workload_name: str) -> dict[str, Any]:
+    from jaxinfer import LLM
+    from jaxinfer.bench import measure
+    from jaxinfer.bench.workloads import parse
+
+    llm = LLM(args.model, random_weights=True, use_tqdm=False, **ENGINE)
+    return measure.offline_throughput(llm, parse(workload_name, args.num_prompts, 0))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="llama-3-8b")
+    p.add_argument("--tokenizer", default=None, help="tokenizer directory (needed for the structured run)")
+    p.add_argument("--workload", default="1024x256")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--port", type=int, default=8765)
+    p.add_argument("--start-timeout", type=float, default=900)
+    p.add_argument("--out", default="bench_results/serve.json")
+    args = p.parse_args()
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"command": "python3 scripts/bench_serve_gpu.py " + " ".join(sys.argv[1:]),
+                              "model": args.model, "engine": ENGINE, "workload": args.workload,
+                              "num_prompts": args.num_prompts}
+
+    def save() -> None:
+        out.write_text(json.dumps(result, indent=1) + "\n")
+
+    server = start_server(args, out.with_suffix(".server.log"))
+    try:
+        if args.tokenizer:
+            structured = bench(args, "1024x512", "long_list", "structured c64")
+            result["structured"] = structured
+            length = round(structured["sweep"][0]["output_tokens"] / structured["sweep"][0]["completed"])
+            result["plain_same_length"] = bench(args, f"1024x{length}", None, f"plain c64, {length} tokens")
+            save()
+        result["server"] = bench(args, args.workload, None, "plain c64")
+        save()
+    finally:
+        server.send_signal(signal.SIGTERM)
+        server.wait(120)
+    result["offline"] = offline(args, args.workload)
+    result.update(verdicts(result))
+    save()
+    print(json.dumps({k: v for k, v in result.items() if not isinstance(v, dict)}, indent=1))
+
+
+def verdicts(result: dict[str, Any]) -> dict[str, Any]:
+    served = result["server"]["sweep"][0]["output_throughput"]
+    offline_tok_s = result["offline"]["output_tok_s"]
+    v: dict[str, Any] = {"server_c64_output_tok_s": served, "offline_output_tok_s": offline_tok_s,
+                         "server_fraction_of_offline": served / offline_tok_s}
+    v["server_ok"] = v["server_fraction_of_offline"] >= 0.9
+    if "structured" in result:
+        s = result["structured"]["sweep"][0]["output_throughput"]
+        plain = result["plain_same_length"]["sweep"][0]["output_throughput"]
+        v.update(structured_output_tok_s=s, plain_same_length_output_tok_s=plain, structured_cost=1 - s / plain,
+                 structured_ok=1 - s / plain <= 0.10)
+    return v
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""`jaxinfer bench-serve` against a live tiny-model server: closed loop at two concurrencies and an open loop,
+the sweep JSON in `jaxinfer bench`'s format, and a plot."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+from tests.serve.conftest import REPO, running, tiny_args
+
+
+def test_bench_serve_closed_and_open_loop(tmp_path, tiny_model_yaml, smollm2_path) -> None:
+    with running(tiny_args(tiny_model_yaml, smollm2_path), tmp_path / "server.log") as server:
+        out = tmp_path / "serve.json"
+        base = [sys.executable, "-m", "jaxinfer.cli", "bench-serve", "--base-url", server.base_url, "--workload",
+                "16x8", "--num-prompts", "12"]
+        r = subprocess.run([*base, "--concurrency", "1", "4", "--out", str(out)], cwd=REPO, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        result = json.loads(out.read_text())
+        assert [s["concurrency"] for s in result["sweep"]] == [1, 4]
+        for s in result["sweep"]:
+            assert s["completed"] == 12 and s["output_tokens"] == 12 * 8
+            for key in ("ttft", "tpot", "itl", "e2e"):
+                assert set(s[key]) == {"mean_ms", "median_ms", "p90_ms", "p99_ms"}
+            assert s["output_throughput"] > 0 and s["ttft"]["median_ms"] > 0
+        assert out.with_suffix(".png").stat().st_size > 0
+        r = subprocess.run([*base, "--endpoint", "chat", "--request-rate", "20", "--concurrency", "8", "--structured",
+                            "person", "--out", str(tmp_path / "open.json"), "--plot", "none"], cwd=REPO,
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        level = json.loads((tmp_path / "open.json").read_text())["sweep"][0]
+        assert level["completed"] == 12 and level["request_rate"] == 20
