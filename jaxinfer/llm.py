@@ -33,8 +33,8 @@ from jaxinfer.models import family_for_config, with_linear
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.params import init_params
 from jaxinfer.platform import FIELDS as PLATFORM_FIELDS, announce, fill_defaults
-from jaxinfer.quantization import (QuantizationConfig, QuantizationError, check_plan, check_platform, logical_shards,
-                                   quantized_specs, resolve_plan)
+from jaxinfer.quantization import (QuantizationConfig, QuantizationError, check_plan, check_platform, fit_packs,
+                                   logical_shards, quantized_specs, resolve_plan)
 from jaxinfer.presets import BUNDLED, bundled_checkpoint, is_alias, load_preset
 from jaxinfer.sharding import make_mesh, mesh_rules
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
@@ -207,7 +207,9 @@ class LLM:
         try:
             check_platform(config.method)
             plan, notes = resolve_plan(config, None if args.random_weights else checkpoint, specs)
-            check_plan(specs, plan, logical_shards(self.rules, self.mesh))
+            shards = logical_shards(self.rules, self.mesh)
+            plan = fit_packs(specs, plan, shards)
+            check_plan(specs, plan, shards)
         except QuantizationError as e:
             message = str(e) if str(e).startswith("quantization=") else f"quantization={args.quantization!r}: {e}"
             raise InvalidInput(f"LLM argument {message}", field="quantization", value=args.quantization) from None

@@ -245,6 +245,20 @@ def _check_one(path: str, fmt: QFormat, view: MatrixView, k_shards: int) -> None
             f"multiple of {unit}; choose a smaller group size or another tensor_parallel_size.")
 
 
+def fit_packs(specs: Any, plan: Plan, shards: dict[Logical, int] | None = None) -> Plan:
+    """The plan with every int4 weight's packing chunk fixed for the K each device holds. A chunk packs
+    element j and j + pack/2 into one byte, so a chunk split between two devices would leave each with
+    half of every byte's pair: a weight whose K is split picks its chunk from the per-device K."""
+    shards = shards or {}
+    by_path = dict(flatten_specs(specs))
+    out = dict(plan)
+    for path, fmt in plan.items():
+        view = matrix_view(by_path[path]) if path in by_path else None
+        if fmt.bits == 4 and fmt.pack is None and view is not None:
+            out[path] = dataclasses.replace(fmt, pack=default_pack(fmt.group, view.k // shards.get(view.in_axis, 1)))
+    return out
+
+
 def _pack(fmt: QFormat, k: int) -> int:
     return fmt.pack or default_pack(fmt.group, k)
 
@@ -441,7 +455,7 @@ def check_platform(method: str, what: str = "quantization") -> None:
                                 f"{device.device_kind} has {capability}. Use int8 instead.")
 
 
-__all__ = ["check_platform", "logical_shards", "resolve_plan", "DEFAULT_INT4_GROUPS", "METHODS", "MatrixView", "Plan", "QFormat", "QuantizationConfig",
+__all__ = ["check_platform", "fit_packs", "logical_shards", "resolve_plan", "DEFAULT_INT4_GROUPS", "METHODS", "MatrixView", "Plan", "QFormat", "QuantizationConfig",
            "QuantizationError", "SMALL_GROUPS", "check_plan", "flatten_specs", "is_weight_leaf", "matrix_of",
            "matrix_view", "method_plan", "pack_int4", "plan_from_json", "place_quantized", "plan_to_json", "quantize_host",
            "quantize_matrix", "quantize_params",

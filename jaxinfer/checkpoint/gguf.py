@@ -13,6 +13,7 @@ conventions of llama.cpp's converters (Gemma norms stored as 1 + w), so loaded w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from functools import cached_property
 from pathlib import Path
@@ -113,6 +114,16 @@ class GGUFCheckpoint:
         except ValueError:
             raise CheckpointError(f"{self.path}: tensor {name!r} has unknown GGML type code {t.type_code}.") from None
 
+    def check_types(self) -> None:
+        """Every tensor's GGML type is one we can read (repack or dequantize), checked from the header alone
+        before anything is loaded: otherwise a CheckpointError naming the tensor, its type and what we read."""
+        for name in self.tensors:
+            qtype = self.qtype(name)
+            if not _decodable(qtype):
+                readable = ", ".join(sorted(t.name for t in GGMLQuantizationType if _decodable(t)))
+                raise CheckpointError(f"{self.path}: tensor {name!r} is stored as GGML {qtype.name}, which jaxinfer "
+                                      f"cannot read (it reads {readable}); re-quantize the file with another type.")
+
     def _raw(self, name: str) -> tuple[GGMLQuantizationType, np.ndarray]:
         """One tensor's bytes as [rows, row bytes] (rows: every dimension but the innermost)."""
         t = self.tensors[name]
@@ -150,6 +161,7 @@ class GGUFCheckpoint:
         """quantization="auto": each quantizable weight stored in a quantized block type gets the nearest
         kernel format. Also returns {GGUF type: weights} of the types that are not repacked exactly
         (dequantized and requantized), for the notice that says so."""
+        self.check_types()
         plan, inexact = {}, {}
         for p in plan_sources(specs, self.family.checkpoint_rules(), set(self.tensors), "gguf"):
             view = matrix_view(p.spec)
@@ -166,6 +178,7 @@ class GGUFCheckpoint:
 
     def load_weights(self, specs: Any, mesh: Mesh, rules: ShardingRules, plan: Plan | None = None) -> Any:
         """The weights of `specs` (float specs); those named in `plan` quantized (module docstring)."""
+        self.check_types()
         cfg = self.config
         source = TensorSource(
             description=str(self.path),
@@ -189,3 +202,17 @@ class GGUFCheckpoint:
         return assemble_weights(specs, self.family.checkpoint_rules(), source, "gguf", mesh, rules, postprocess,
                                 quant_plan=plan)
 
+
+@functools.cache
+def _decodable(qtype: GGMLQuantizationType) -> bool:
+    """Whether the gguf package dequantizes this type (probed on one block of zeros: its table of
+    dequantizers is private) or we repack it exactly."""
+    if qtype in gguf_repack.EXACT_TYPES:
+        return True
+    if qtype not in GGML_QUANT_SIZES:
+        return False
+    try:
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except (NotImplementedError, ValueError):
+        return False
+    return True

@@ -168,6 +168,9 @@ def _pack32(k: int) -> int:
     return 64 if k % 64 == 0 else 32
 
 
+EXACT_TYPES = frozenset(_EXACT)  # the block types repacked without a float copy
+
+
 def exact_types() -> tuple[str, ...]:
     return tuple(t.name for t in _EXACT)
 
@@ -194,4 +197,4 @@ def decode(qtype: Q, raw: np.ndarray) -> Decoded:
     return _EXACT[qtype][0](raw)
 
 
-__all__ = ["EXPERTS", "FALLBACK", "FLOAT_TYPES", "decode", "exact_types", "format_for", "is_exact"]
+__all__ = ["EXACT_TYPES", "EXPERTS", "FALLBACK", "FLOAT_TYPES", "decode", "exact_types", "format_for", "is_exact"]

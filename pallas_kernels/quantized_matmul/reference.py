@@ -24,8 +24,8 @@ Storage format (`QuantizedWeights`), chosen for the kernels:
   its low nibble and element j + pack/2 in its high nibble, each stored as q + 8 (q in -8..7).
   Unpacking a chunk is then two whole half-chunks, no interleave, which the kernels do in
   registers. `pack` is 2 x the group for groups of 32 and 64 (so each half-chunk is exactly one
-  group and carries one scale), 128 for larger groups, and for per-channel weights the largest of
-  128/64/32 dividing Kp. (GGUF's Q4_K packs exactly this way with pack 64; Q4_0/Q4_1 pack 32-wide
+  group and carries one scale; the group itself when Kp is no multiple of twice the group), 128 for
+  larger groups, and for per-channel weights the largest of 128/64/32 dividing Kp. (GGUF's Q4_K packs exactly this way with pack 64; Q4_0/Q4_1 pack 32-wide
   blocks and are re-interleaved at load.)
 """
 
@@ -94,7 +94,7 @@ def _round_up(x: int, m: int) -> int:
 def default_pack(group_size: int | None, padded_k: int) -> int:
     """The int4 packing chunk for a group size (None: per channel) and padded K (module docstring)."""
     if group_size is not None and group_size < PACK_CHUNK:
-        return 2 * group_size
+        return 2 * group_size if padded_k % (2 * group_size) == 0 else group_size
     if group_size is not None:
         return PACK_CHUNK
     return next(c for c in (PACK_CHUNK, 64, 32) if padded_k % c == 0)
