@@ -29,7 +29,8 @@ from model_helpers import tiny_config
 PAGE = 4
 
 
-def quantized_runner(cfg, tp: int, method: str, kv_cache_dtype: str = "auto", plan_tp: int = 2) -> ModelRunner:
+def quantized_runner(cfg, tp: int, method: str, kv_cache_dtype: str = "auto", plan_tp: int = 2,
+                     num_pages: int = 16) -> ModelRunner:
     """A reference-attention runner over random weights quantized as `method`, split over `tp` devices. The
     plan is the one for `plan_tp` devices (int4 packing chunks fit the split K), so runners of different tp
     draw the same random codes with the same meaning."""
@@ -40,7 +41,7 @@ def quantized_runner(cfg, tp: int, method: str, kv_cache_dtype: str = "auto", pl
     check_plan(specs, plan, logical_shards(rules, mesh))
     weights = init_params(quantized_specs(specs, plan), 0, mesh, rules)
     kv_dtype, kv_quantized = kv_storage(kv_cache_dtype, jnp.float32)
-    cache = allocate_kv_cache(cfg, 16, PAGE, kv_dtype, mesh, rules, quantized=kv_quantized)
+    cache = allocate_kv_cache(cfg, num_pages, PAGE, kv_dtype, mesh, rules, quantized=kv_quantized)
     family = with_linear(LLAMA, Linear(mesh, rules, "reference"))
     return ModelRunner(family, cfg, weights, cache, mesh, rules, attention_impl="reference")
 
