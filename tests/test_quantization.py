@@ -153,3 +153,33 @@ def test_cli_and_batch_yaml_take_the_quantization_fields() -> None:
     assert job_from_dict(job, "job.yaml").llm_kwargs["quantization"] == "int4:32"
     with pytest.raises(ConfigError, match=r"job.yaml: .*engine\.quantization"):
         job_from_dict({**job, "engine": {"quantization": "int5"}}, "job.yaml")
+
+
+# ----------------------------------------------------------------------------- convert -> restore
+
+
+# An int4 checkpoint keeps the packing chunks it was converted with (fit for the K of each device then): it
+# restores on any mesh whose K split is a multiple of them, else the error names the weight. So int4 restores
+# at tp=1 here, int8 (no packing) at tp=2.
+@pytest.mark.parametrize("method,tp", [("int4", 1), ("int8", 2)])
+def test_convert_writes_a_quantized_checkpoint_that_restores_quantized_with_identical_tokens(
+        tmp_path: Path, smollm2_path: Path, method: str, tp: int) -> None:
+    """`jaxinfer convert --quantization` on a tiny HF Llama; the orbax copy restores into the mesh quantized
+    (no float copy: its plan says how) and greedy tokens equal quantizing the source at load."""
+    from jaxinfer.cli import main
+    from jaxinfer.linear import is_quantized
+    from jaxinfer import SamplingParams
+    from tiny_checkpoint import write_tiny_hf_checkpoint
+
+    src = write_tiny_hf_checkpoint(tmp_path / "hf", smollm2_path)
+    assert main(["convert", str(src), str(tmp_path / "q"), "--dtype", "float32", "--quantization", method]) == 0
+    engine = dict(dtype="float32", max_model_len=64, num_pages=16, max_num_seqs=2, max_num_batched_tokens=32,
+                  warmup=False, use_tqdm=False)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = ["The river rose through the night", "def fibonacci(n):"]
+    want = [o.token_ids for o in LLM(str(src), quantization=method, **engine).generate(prompts, params)]
+    restored = LLM(str(tmp_path / "q"), tensor_parallel_size=tp, **engine)
+    assert restored.quant_plan and is_quantized(restored.weights.layers[0].w_down)
+    assert [o.token_ids for o in restored.generate(prompts, params)] == want
+    with pytest.raises(InvalidInput, match="already quantized"):
+        LLM(str(tmp_path / "q"), quantization="int8", **engine)
