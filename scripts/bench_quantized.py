@@ -13,11 +13,12 @@ Sections, in order (`--sections` picks some; the JSON is rewritten after each, s
 it measured, and a second call with `--sections ... --out` of the same file adds to it):
   ceilings  copy bandwidth (best of plain XLA passes and a plain copy) and the bf16 8192^3 matmul rate;
   kernels   the Llama-3-8B weight set (32 layers of qkv, o, gate, up, down) streamed through one matvec
-            each in one jit, M = 1, for bf16 / int8 (per channel) / int4 (groups of 128 with zero points, as
-            quantization="int4" stores Llama-3-8B): int8's % of copy bandwidth and int4's tokens/s over int8's; fp8 W8A8 against bf16 at M = 256, 1024, 4096 on
+            each in one jit, M = 1, for bf16 / int8 (per channel) / int4 (groups of 32 with zero points, as
+            quantization="int4" stores it; and groups of 128): int8's % of copy bandwidth and int4's tokens/s
+            over int8's; fp8 W8A8 against bf16 at M = 256, 1024, 4096 on
             4096 x 14336 (each against the same bf16 product and against the 8192^3 rate);
-  decode    engine decode at batch 1 (ctx 512, 128 steps) for bf16, int8 and int4 weights: step time and
-            the speedup over bf16;
+  decode    engine decode at batch 1 (ctx 512, 128 steps) for bf16, int8, int4 (groups of 32) and int4:128
+            weights: step time and the speedup over bf16;
   offline   1000/1000 (512 prompts) with int8 weights + fp8 KV, and 128/128 (2048 prompts) with fp8 weights
             (+ fp8 KV): output tok/s, and any kernel that fell back to the jnp reference (`fallbacks`).
 Acceptance (issue 15): decode_b1_int8_speedup >= 1.8, decode_b1_int4_speedup >= 2.8,
@@ -51,11 +52,11 @@ SECTIONS = ("ceilings", "kernels", "decode", "offline")
 def sizes(smoke: bool) -> dict[str, Any]:
     """Every size the sections use: the real ones, or tiny ones for --smoke on CPU."""
     if smoke:
-        return dict(model="smollm2-135m", layers=2, d=256, qkv=384, f=512, fp8_k=256, fp8_n=512, fp8_m=(256,),
+        return dict(model="smollm2-135m", int4_wide="int4:64", layers=2, d=256, qkv=384, f=512, fp8_k=256, fp8_n=512, fp8_m=(256,),
                     bw_gib=0.05, matmul_n=256, ctx=32, steps=8, offline_1000=(32, 32, 4), offline_128=(16, 16, 4),
                     engine=dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=128, num_pages=64,
                                 warmup=False))  # CPU: compile only the buckets used
-    return dict(model="llama-3-8b", layers=32, d=4096, qkv=6144, f=14336, fp8_k=4096, fp8_n=14336,
+    return dict(model="llama-3-8b", int4_wide="int4:128", layers=32, d=4096, qkv=6144, f=14336, fp8_k=4096, fp8_n=14336,
                 fp8_m=(256, 1024, 4096), bw_gib=4.0, matmul_n=8192, ctx=512, steps=128,
                 offline_1000=(1000, 1000, 512), offline_128=(128, 128, 2048),
                 engine=dict(max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192,
@@ -107,10 +108,11 @@ def nbytes(tree: Any) -> int:
 
 
 def m1_kernels(s: dict[str, Any], copy_bw: float) -> dict[str, Any]:
-    """The weight set at M = 1 for bf16, int8 per channel and int4 in groups of 128 with zero points."""
+    """The weight set at M = 1 for bf16, int8 per channel and int4 with zero points in groups of 32 / 128."""
     from pallas_kernels.quantized_matmul import quantize_weights, quantized_matmul
 
-    formats = {"bf16": None, "int8": dict(bits=8), "int4": dict(bits=4, group_size=128, zero_point=True)}
+    formats = {"bf16": None, "int8": dict(bits=8), "int4": dict(bits=4, group_size=32, zero_point=True),
+               "int4_g128": dict(bits=4, group_size=128, zero_point=True)}
     out = {}
     for name, fmt in formats.items():
         ws = weight_set(s, (lambda w: w) if fmt is None else (lambda w, f=fmt: quantize_weights(w, **f)))
@@ -147,6 +149,7 @@ def kernels(s: dict[str, Any], ceil: dict[str, Any]) -> dict[str, Any]:
     return {"m1": m1, "fp8_w8a8": fp8,
             "int8_m1_pct_of_copy_bw": m1["int8"]["pct_of_copy_bw"],
             "int4_over_int8_m1_tok_s": m1["int4"]["tok_s"] / m1["int8"]["tok_s"],
+            "int4g128_over_int8_m1_tok_s": m1["int4_g128"]["tok_s"] / m1["int8"]["tok_s"],
             "fp8_over_bf16_matmul_rate": min(r["over_bf16_ceiling"] for r in fp8.values())}
 
 
@@ -172,7 +175,7 @@ def decode_b1(s: dict[str, Any], smoke: bool) -> dict[str, Any]:
     from jaxinfer.bench.measure import decode_mbu
 
     rows = {}
-    for name in ("bf16", "int8", "int4"):
+    for name in ("bf16", "int8", "int4", s["int4_wide"]):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             llm = build(s, smoke, quantization=None if name == "bf16" else name)
@@ -183,7 +186,8 @@ def decode_b1(s: dict[str, Any], smoke: bool) -> dict[str, Any]:
         free(llm)
     return {"by_format": rows,
             "decode_b1_int8_speedup": rows["bf16"]["step_ms"] / rows["int8"]["step_ms"],
-            "decode_b1_int4_speedup": rows["bf16"]["step_ms"] / rows["int4"]["step_ms"]}
+            "decode_b1_int4_speedup": rows["bf16"]["step_ms"] / rows["int4"]["step_ms"],
+            "decode_b1_int4g128_speedup": rows["bf16"]["step_ms"] / rows[s["int4_wide"]]["step_ms"]}
 
 
 def offline(s: dict[str, Any], smoke: bool) -> dict[str, Any]:
@@ -208,7 +212,8 @@ def offline(s: dict[str, Any], smoke: bool) -> dict[str, Any]:
 
 
 HEADLINE = ("device", "offline_1000_int8w_fp8kv_tok_s", "offline_128_fp8_tok_s", "decode_b1_int8_speedup",
-            "decode_b1_int4_speedup", "int8_m1_pct_of_copy_bw", "int4_over_int8_m1_tok_s", "fp8_over_bf16_matmul_rate")
+            "decode_b1_int4_speedup", "decode_b1_int4g128_speedup", "int8_m1_pct_of_copy_bw",
+            "int4g128_over_int8_m1_tok_s", "int4_over_int8_m1_tok_s", "fp8_over_bf16_matmul_rate")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:

@@ -322,7 +322,10 @@ class ModelRunner:
         start = time.perf_counter()
         lowered = []
         for kind, rest, static in calls:
-            args = (self.weights, self.kv_cache, *rest)
+            # Lowered with the host inputs placed as `place` puts them at run time: left to the compiler, an input
+            # used under a shard_map (the structured-output bitmask) would be compiled for a split layout that
+            # the replicated arguments of a real step then fail to match.
+            args = (self.weights, self.kv_cache, *self.place(tuple(rest)))
             key = self._key(kind, args, static)
             if key not in self._executables:
                 lowered.append((key, self._jitted(kind).lower(*args, **static)))
@@ -343,7 +346,11 @@ class ModelRunner:
 
     def place(self, batch: Any) -> Any:
         """Host arrays -> device, replicated over the mesh (metadata is small); device arrays stay as they are."""
-        return jax.device_put(batch, replicated(self.mesh))
+        leaves, tree = jax.tree.flatten(batch)
+        host = [i for i, a in enumerate(leaves) if not isinstance(a, jax.Array)]
+        for i, a in zip(host, jax.device_put([leaves[i] for i in host], replicated(self.mesh))):  # one transfer
+            leaves[i] = a
+        return jax.tree.unflatten(tree, leaves)
 
 
 def copy_pages(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
