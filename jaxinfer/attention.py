@@ -20,6 +20,10 @@ reference goes through the same wrapper, so CPU tests exercise the sharded path 
 
 When KV heads are replicated (fewer KV heads than devices), the k/v projections are computed whole on
 every device (the weights are small) and each device keeps the one KV head its query heads read.
+
+A quantized cache (int8 / fp8 KV) is a `QuantizedPages` per layer, values [P, R, K, H] and per-token
+scales [P, K, R], both split by head; the write quantizes (jaxinfer.models.common.write_kv) and the
+kernels dequantize as they read.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from jaxinfer.config import ModelConfig
 from jaxinfer.models.common import AttentionFn, AttentionMetadata, write_kv
 from jaxinfer.sharding import attention_axes, attention_parallel_size, axis_size, head_layout
 from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolve_impl
+from pallas_kernels.ragged_paged_attention.reference import QuantizedPages
 
 SEQ = "seq"
 
@@ -91,11 +96,14 @@ def _sharded(local: AttentionFn, mesh: Mesh, cfg: ModelConfig) -> AttentionFn:
     layout = head_layout(cfg, attention_parallel_size(cfg, mesh))
     seq = axis_size(mesh, SEQ)
     split = axes if len(axes) != 1 else axes[0]
-    heads, cache = P(None, split or None, None), P(None, None, split or None, None)
+    heads, values = P(None, split or None, None), P(None, None, split or None, None)
     kv_spec = heads if layout.kv_sharded else P()
 
     def attn(q, k, v, k_pages, v_pages, md, **layer):
         num_tokens = q.shape[0]
+        cache = values  # [P, R, K, H]; quantized pages add scales [P, K, R], split by head as well
+        if isinstance(k_pages, QuantizedPages):
+            cache = QuantizedPages(values, P(None, split or None, None))
         by_token = seq > 1 and num_tokens % seq == 0  # a 1-row decode bucket runs whole on every device
         q_spec = P(SEQ, split or None, None) if by_token else heads
 

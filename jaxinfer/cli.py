@@ -29,6 +29,16 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of each device's memory the engine may use (vLLM's meaning)")
     p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas_tpu", "pallas_gpu"])
+    _quantization_args(p)
+
+
+def _quantization_args(p: argparse.ArgumentParser) -> None:
+    """The weight and KV formats (docs/QUANTIZATION.md); checked by LLM's argument table, not argparse, so a
+    bad value gets the same sentence here as from Python."""
+    p.add_argument("--quantization", default=None,
+                   help="auto (a .gguf keeps its quantization) | none | int8 | int4 | fp8; int8:G / int4:G "
+                        "set the group size G")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | float16 | float32 | fp8 | int8")
 
 
 def _distributed_args(p: argparse.ArgumentParser) -> None:
@@ -87,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     conv.add_argument("src")
     conv.add_argument("dst")
     conv.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
+    conv.add_argument("--quantization", default=None,
+                      help="write the weights quantized: int8 | int4 | fp8 (int8:G / int4:G: group size G), or "
+                           "auto / unset (a .gguf keeps its quantization, other checkpoints stay float), none")
     return parser
 
 
@@ -102,6 +115,7 @@ def _llm(args: argparse.Namespace):  # noqa: ANN202 - imported lazily: JAX start
         max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens, attention_impl=args.attention_impl,
         block_size=args.block_size, gpu_memory_utilization=args.gpu_memory_utilization,
+        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype,
     )
     print(format_description(llm.describe()), file=sys.stderr)  # the mesh and memory, once, at start
     return llm
@@ -132,8 +146,10 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from jaxinfer.llm import LLM
     from jaxinfer.checkpoint.orbax import save_checkpoint
 
-    llm = LLM(args.src, dtype=args.dtype, warmup=False, num_pages=2, use_tqdm=False)
-    path = save_checkpoint(args.dst, llm.model_config, llm.weights, llm.tokenizer)
+    # The weights are quantized as they load (one weight at a time through the host), so what is saved is
+    # exactly what LLM(..., quantization=...) would hold; the plan goes beside them to restore them as such.
+    llm = LLM(args.src, dtype=args.dtype, quantization=args.quantization, warmup=False, num_pages=2, use_tqdm=False)
+    path = save_checkpoint(args.dst, llm.model_config, llm.weights, llm.tokenizer, llm.quant_plan)
     print(f"wrote {path}")
     return 0
 

@@ -26,14 +26,24 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxinfer.models.moe import GroupedMatmul, MoEFn, MoEWeights, expert_token_counts, moe_block, moe_partial, route
 from jaxinfer.sharding import Logical, ShardingRules, axis_size, flat_axes, model_axes
+from pallas_kernels.grouped_matmul import QuantizedExperts
 
 EXPERT = "expert"
 
 
-def _weight_specs(rules: ShardingRules) -> MoEWeights:
-    up = rules.spec((Logical.EXPERTS, Logical.EMBED, Logical.EXPERT_FFN))
-    return MoEWeights(router=P(), w_gate=up, w_up=up, w_down=rules.spec((Logical.EXPERTS, Logical.EXPERT_FFN,
-                                                                          Logical.EMBED)))
+def _expert_spec(rules: ShardingRules, w: object, k_axis: Logical, n_axis: Logical) -> object:
+    """The PartitionSpec(s) of one expert weight: [E, K, N] float, or quantized values [E, N, K] and
+    per-channel scales [E, N] (jaxinfer.quantization), split like the float weight."""
+    if isinstance(w, QuantizedExperts):
+        return QuantizedExperts(values=rules.spec((Logical.EXPERTS, n_axis, k_axis)),
+                                scales=rules.spec((Logical.EXPERTS, n_axis)))
+    return rules.spec((Logical.EXPERTS, k_axis, n_axis))
+
+
+def _weight_specs(rules: ShardingRules, w: MoEWeights) -> MoEWeights:
+    ffn, embed = Logical.EXPERT_FFN, Logical.EMBED
+    return MoEWeights(router=P(), w_gate=_expert_spec(rules, w.w_gate, embed, ffn),
+                      w_up=_expert_spec(rules, w.w_up, embed, ffn), w_down=_expert_spec(rules, w.w_down, ffn, embed))
 
 
 def make_moe_fn(mesh: Mesh | None, rules: ShardingRules, expert_matmul: GroupedMatmul = jax.lax.ragged_dot) -> MoEFn:
@@ -55,7 +65,7 @@ def make_moe_fn(mesh: Mesh | None, rules: ShardingRules, expert_matmul: GroupedM
                valid: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
         fn = jax.shard_map(
             functools.partial(per_device, top_k=top_k, norm_topk_prob=norm_topk_prob), mesh=mesh,
-            in_specs=(P(), _weight_specs(rules), P()), out_specs=(P(), P()), check_vma=False)
+            in_specs=(P(), _weight_specs(rules, w), P()), out_specs=(P(), P()), check_vma=False)
         return fn(x, w, valid)
 
     return moe_fn

@@ -26,12 +26,15 @@ from jaxinfer.config import (
     model_config_from_yaml,
 )
 from jaxinfer.errors import InvalidInput, Notice
-from jaxinfer.kv_cache import allocate_kv_cache, bytes_per_page
+from jaxinfer.kv_cache import allocate_kv_cache, bytes_per_page, kv_storage
 from jaxinfer.llm_args import DTYPE_NAMES, LLMArgs, check_model_limits, resolve_llm_args, resolve_model_name
-from jaxinfer.models import family_for_config
+from jaxinfer.linear import Linear
+from jaxinfer.models import family_for_config, with_linear
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.params import init_params
 from jaxinfer.platform import FIELDS as PLATFORM_FIELDS, announce, fill_defaults
+from jaxinfer.quantization import (QuantizationConfig, QuantizationError, check_plan, check_platform, fit_packs,
+                                   logical_shards, quantized_specs, resolve_plan)
 from jaxinfer.presets import BUNDLED, bundled_checkpoint, is_alias, load_preset
 from jaxinfer.sharding import make_mesh, mesh_rules
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
@@ -173,7 +176,7 @@ class LLM:
             )
         self.model_config: ModelConfig = preset if checkpoint is None else checkpoint.config
         check_model_limits(args, self.model_config.max_position_embeddings)
-        _check_quantization(args, checkpoint, self.engine_config.dtype)
+        _check_quantization(args, checkpoint)
         self.family = family_for_config(self.model_config)
         self.draft = self._draft_model(args, MeshConfig(data=args.data_parallel_size, tensor=args.tensor_parallel_size,
                                                         expert=args.expert_parallel_size,
@@ -185,6 +188,8 @@ class LLM:
         self.mesh = make_mesh(mesh_cfg)
         self.replica_meshes = local_replicas(self.mesh)
         self.dtype = JNP_DTYPES[self.engine_config.dtype]
+        self.kv_dtype, self.kv_quantized = kv_storage(args.kv_cache_dtype, self.dtype)
+        self.quant_plan = self._quantization_plan(checkpoint, args)
         distributed.check_same_everywhere("the model and engine settings", self.model_config, args)
         self.weights = self._load_weights(checkpoint, args.random_weights, args.seed or 0)
         if checkpoint is None and args.tokenizer is None:
@@ -212,11 +217,33 @@ class LLM:
 
         return DraftModel(spec, self.model_config, mesh_cfg, random_weights=args.random_weights)
 
+    def _quantization_plan(self, checkpoint: Any, args: LLMArgs) -> Any:
+        """Which weights are quantized and how (jaxinfer.quantization), checked against the model's shapes
+        and this mesh before anything is loaded: a bad combination is an InvalidInput naming the weight."""
+        config = QuantizationConfig.parse(args.quantization)
+        specs = self.family.param_specs(self.model_config, self.dtype)
+        try:
+            check_platform(args.kv_cache_dtype, "kv_cache_dtype")
+        except QuantizationError as e:
+            raise InvalidInput(f"LLM argument {e}", field="kv_cache_dtype", value=args.kv_cache_dtype) from None
+        try:
+            check_platform(config.method)
+            plan, notes = resolve_plan(config, None if args.random_weights else checkpoint, specs)
+            shards = logical_shards(self.rules, self.mesh)
+            plan = fit_packs(specs, plan, shards)
+            check_plan(specs, plan, shards)
+        except QuantizationError as e:
+            message = str(e) if str(e).startswith("quantization=") else f"quantization={args.quantization!r}: {e}"
+            raise InvalidInput(f"LLM argument {message}", field="quantization", value=args.quantization) from None
+        for note in notes:
+            warnings.warn(note, Notice, stacklevel=4)
+        return plan
+
     def _load_weights(self, checkpoint: Any, random_weights: bool, seed: int) -> Any:
         specs = self.family.param_specs(self.model_config, self.dtype)
         if random_weights:
-            return init_params(specs, jax.random.key(seed), self.mesh, self.rules)
-        return checkpoint.load_weights(specs, self.mesh, self.rules)
+            return init_params(quantized_specs(specs, self.quant_plan), jax.random.key(seed), self.mesh, self.rules)
+        return checkpoint.load_weights(specs, self.mesh, self.rules, plan=self.quant_plan)
 
     def _num_pages(self, mesh: Any) -> int:
         """The configured page count; or what gpu_memory_utilization of each device's memory leaves after the
@@ -225,7 +252,7 @@ class LLM:
         cache = self.cache_config
         if cache.num_pages is not None:
             return cache.num_pages
-        per_page = bytes_per_page(self.model_config, cache.page_size, self.dtype, mesh)
+        per_page = bytes_per_page(self.model_config, cache.page_size, self.kv_dtype, mesh, self.kv_quantized)
         if self.draft is not None:  # the draft's cache has as many pages
             per_page += self.draft.bytes_per_page(cache.page_size, self.dtype, mesh)
         total, used = device_memory(mesh)
@@ -251,10 +278,15 @@ class LLM:
 
         num_pages = self._num_pages(mesh)
         kv_cache = allocate_kv_cache(
-            self.model_config, num_pages, self.cache_config.page_size, self.dtype, mesh, self.rules
+            self.model_config, num_pages, self.cache_config.page_size, self.kv_dtype, mesh, self.rules,
+            quantized=self.kv_quantized,
         )
+        family = self.family
+        if self.quant_plan:  # quantized weights run through the Pallas matmul, in shard_map on this mesh
+            impl, interpret = self.engine_config.attention_impl, self.engine_config.interpret
+            family = with_linear(family, Linear.for_engine(mesh, self.rules, impl, interpret))
         runner = ModelRunner(
-            self.family, self.model_config, weights, kv_cache, mesh, self.rules,
+            family, self.model_config, weights, kv_cache, mesh, self.rules,
             attention_impl=self.engine_config.attention_impl, interpret=self.engine_config.interpret,
         )
         draft_runner = None
@@ -332,7 +364,12 @@ class LLM:
         return self.engine.has_unfinished()
 
     def engine_stats(self) -> dict[str, Any]:
-        return self.engine.stats()
+        """The engine's statistics, plus `weight_bytes` and `kv_cache_bytes`: device bytes actually held by
+        the weights and the KV cache, summed over every device of every replica."""
+        engines = getattr(self.engine, "engines", [self.engine])
+        return {**self.engine.stats(),
+                "weight_bytes": sum(_device_bytes(e.runner.weights) for e in engines),
+                "kv_cache_bytes": sum(_device_bytes(e.runner.kv_cache) for e in engines)}
 
     def describe(self) -> dict[str, Any]:
         """The mesh picture: axis sizes, each weight group's sharding, weight and KV bytes per device, pages,
@@ -354,13 +391,15 @@ def resolve_dtype(name: str) -> DType:
     return DType(DTYPE_NAMES[name])
 
 
-def _check_quantization(args: LLMArgs, checkpoint: Any, dtype: DType) -> None:
-    if args.quantization != "gguf":
-        return
-    if not hasattr(checkpoint, "metadata"):  # only GGUF checkpoints carry GGUF metadata
+def _check_quantization(args: LLMArgs, checkpoint: Any) -> None:
+    """'gguf' is the older spelling of 'auto' for a .gguf model, and only for one."""
+    if args.quantization == "gguf" and not hasattr(checkpoint, "metadata"):  # only GGUF checkpoints have metadata
         raise InvalidInput.of("LLM argument ", "quantization", "gguf", "None for a checkpoint that is not a .gguf file")
-    warnings.warn(f"quantization='gguf': the GGUF weights are dequantized to {dtype.value} at load.", Notice,
-                  stacklevel=3)
+
+
+def _device_bytes(tree: Any) -> int:
+    """Bytes of every shard of every array of `tree` on this process's devices."""
+    return sum(s.data.nbytes for a in jax.tree.leaves(tree) for s in a.addressable_shards)
 
 
 def _no_lora(lora_request: Any) -> None:

@@ -29,6 +29,8 @@ from jaxinfer.validation import FieldRule, Limits, is_int, is_real
 
 DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
                "half": "float16"}
+KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "int8")
+_KV_ALIASES = {"fp8_e4m3": "fp8", "float": "float32", "half": "float16"}
 ATTENTION_IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 
 
@@ -79,6 +81,21 @@ def _dtype(v: Any) -> str:
     return name
 
 
+def _kv_dtype(v: Any) -> str:
+    name = _dtype(v)
+    return _KV_ALIASES.get(name, name)
+
+
+def _valid_quantization(v: str | None) -> bool:
+    from jaxinfer.quantization import QuantizationConfig
+
+    try:
+        QuantizationConfig.parse(v)
+    except ValueError:
+        return False
+    return True
+
+
 def _r(name: str, default: Any, accepted: str, normalize: Any, ok: Any = lambda v: True) -> FieldRule:
     return FieldRule(name, default, accepted, normalize, lambda v, values, limits: ok(v))
 
@@ -117,9 +134,12 @@ LLM_ARG_RULES: tuple[FieldRule, ...] = (
        "over", _int, lambda v: v >= 1),
     _r("sequence_parallel_size", 1, "an integer >= 1: devices each step's tokens split over", _int,
        lambda v: v >= 1),
-    _r("quantization", None, "None, or 'gguf' for a .gguf model (its weights are dequantized to dtype at load)",
-       _opt_str, lambda v: v in (None, "gguf")),
-    _r("kv_cache_dtype", "auto", "'auto': the KV cache is kept in the model dtype", _dtype, lambda v: v == "auto"),
+    _r("quantization", None, "None or 'auto' (a .gguf model keeps its quantization, other checkpoints stay float), "
+       "'none' (dequantize), 'int8', 'int4' or 'fp8' (quantize at load; 'int8:G' / 'int4:G' set the group size G: "
+       "16, 32, 64 or a multiple of 128 for int8, 32, 64 or a multiple of 128 for int4), or 'gguf' ('auto' for a "
+       ".gguf model)", _opt_str, lambda v: _valid_quantization(v)),
+    _r("kv_cache_dtype", "auto", "'auto' (the model dtype), 'bfloat16', 'float16', 'float32', or 'fp8' ('fp8_e4m3') "
+       "or 'int8' (quantized, one scale per token and KV head)", _kv_dtype, lambda v: v in KV_CACHE_DTYPES),
     _r("enforce_eager", False, "True or False (no effect: XLA programs are always compiled)", _bool),
     _r("decode_steps_per_call", None, "None (the platform's: 8 on GPU/TPU, 4 on CPU) or an integer >= 1: decode "
        "iterations per device call", _opt_int, lambda v: v is None or v >= 1),

@@ -31,6 +31,11 @@ class Init(enum.Enum):
     NORMAL = "normal"  # N(0, 1/fan_in): activations keep unit scale through matmuls
     ONES = "ones"  # norm scales
     ZEROS = "zeros"  # norm offsets (Gemma's 1 + w), biases
+    # Quantized weights (jaxinfer.quantization): random codes of the storage dtype (int8 in -127..127,
+    # int4 nibble pairs with codes in -7..7, e4m3 ~ N(0, 64^2)) and their scales, a CONSTANT `value`
+    # chosen so that codes x scale has the NORMAL weight's spread.
+    CODES = "codes"
+    CONSTANT = "constant"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +45,7 @@ class ParamSpec:
     logical_axes: tuple[Logical | None, ...]
     init: Init = Init.NORMAL
     fan_in_axes: tuple[int, ...] = (0,)  # which axes are contracted when the weight is applied
+    value: float = 0.0  # Init.CONSTANT's value
 
     def __post_init__(self) -> None:
         if len(self.shape) != len(self.logical_axes):
@@ -76,9 +82,34 @@ def _draw(spec: ParamSpec, key: jax.Array) -> jax.Array:
         return jnp.ones(spec.shape, spec.dtype)
     if spec.init is Init.ZEROS:
         return jnp.zeros(spec.shape, spec.dtype)
+    if spec.init is Init.CONSTANT:
+        return jnp.full(spec.shape, spec.value, spec.dtype)
+    if spec.init is Init.CODES:
+        return _draw_codes(spec, key)
     fan_in = math.prod(spec.shape[a] for a in spec.fan_in_axes)
     scale = 1.0 / math.sqrt(max(fan_in, 1))
     return (jax.random.normal(key, spec.shape, jnp.float32) * scale).astype(spec.dtype)
+
+
+def _draw_codes(spec: ParamSpec, key: jax.Array) -> jax.Array:
+    """Random quantization codes in the storage dtype (see Init.CODES)."""
+    dtype = jnp.dtype(spec.dtype)
+    if dtype == jnp.int8:
+        return jax.random.randint(key, spec.shape, -127, 128, jnp.int32).astype(jnp.int8)
+    if dtype == jnp.uint8:  # two int4 codes per byte, each stored as code + 8 with codes in -7..7
+        nibbles = jax.random.randint(key, (2, *spec.shape), 1, 16, jnp.int32)
+        return (nibbles[0] | (nibbles[1] << 4)).astype(jnp.uint8)
+    return (jax.random.normal(key, spec.shape, jnp.float32) * 64.0).astype(dtype)
+
+
+def _codes_on_host(spec: ParamSpec, rng: np.random.Generator) -> np.ndarray:
+    dtype = jnp.dtype(spec.dtype)
+    if dtype == jnp.int8:
+        return rng.integers(-127, 128, spec.shape).astype(np.int8)
+    if dtype == jnp.uint8:
+        nibbles = rng.integers(1, 16, (2, *spec.shape))
+        return (nibbles[0] | (nibbles[1] << 4)).astype(np.uint8)
+    return (rng.standard_normal(spec.shape, np.float32) * 64.0).astype(dtype)
 
 
 HOST_INIT_LIMIT_BYTES = 1 << 30
@@ -117,8 +148,11 @@ def _init_on_host(specs: Any, seed: int, mesh: Mesh, rules: ShardingRules) -> An
         if s.init is Init.NORMAL:
             fan_in = math.prod(s.shape[a] for a in s.fan_in_axes)
             w = rng.standard_normal(s.shape, np.float32) / math.sqrt(max(fan_in, 1))
+        elif s.init is Init.CODES:
+            w = _codes_on_host(s, rng)
         else:
-            w = np.full(s.shape, 1.0 if s.init is Init.ONES else 0.0, np.float32)
+            value = {Init.ONES: 1.0, Init.ZEROS: 0.0, Init.CONSTANT: s.value}[s.init]
+            w = np.full(s.shape, value, np.float32)
         w = w.astype(s.dtype)
         return jax.make_array_from_callback(s.shape, rules.sharding(mesh, s.logical_axes), lambda i: w[i])
 

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer import attention
+from jaxinfer import attention, linear
 from jaxinfer.config import CacheConfig, EngineConfig
 from jaxinfer.describe import collective_ops
 from jaxinfer.engine.engine import Engine
@@ -33,6 +33,7 @@ from jaxinfer.models import GEMMA3, LLAMA
 from jaxinfer.params import abstract_params
 
 from model_helpers import build_runner, tiny_config
+from test_quantization import quantized_runner
 from models.test_gemma3 import tiny_config as tiny_gemma_config
 
 TOKENS, ROWS = 64, 8
@@ -49,8 +50,11 @@ def opaque_attention(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attention, "ragged_paged_attention", _opaque_kernel)
 
 
-def _engine(cfg, tp: int, family) -> Engine:
-    runner = build_runner(cfg, tp=tp, family=family, num_pages=64, page_size=4)
+def _engine(cfg, tp: int, family, quantization: str | None = None) -> Engine:
+    if quantization is None:
+        runner = build_runner(cfg, tp=tp, family=family, num_pages=64, page_size=4)
+    else:
+        runner = quantized_runner(cfg, tp, quantization, "int8", plan_tp=tp, num_pages=64)
     engine_cfg = EngineConfig(max_num_seqs=ROWS, max_num_batched_tokens=TOKENS)
     return Engine(runner, None, engine_cfg, CacheConfig(page_size=4, num_pages=64), use_tqdm=False,
                   decode_steps_per_call=4)
@@ -68,29 +72,43 @@ def _compiled_texts(engine: Engine) -> dict[str, tuple[str, int]]:
     }
 
 
-def _big_shapes(cfg, family, tp: int) -> set[tuple[int, ...]]:
-    """Shapes no collective may produce: every matrix weight and the cache. (1-D norm weights are left out:
-    their size is the model width, which [T] or [S] reductions may share.)"""
+def _big_shapes(cfg, family, tp: int, weights=None) -> set[tuple[int, ...]]:
+    """Shapes no collective may produce: every matrix weight (float, or quantized values) and the cache.
+    (1-D norm weights are left out: their size is the model width, which [T] or [S] reductions may share;
+    likewise quantized scales, [K / group, N], which can have an activation's shape.)"""
     shapes = {a.shape for a in jax.tree.leaves(abstract_params(family.param_specs(cfg, jnp.float32))) if a.ndim > 1}
+    shapes |= {w.values.shape for w in jax.tree.leaves(weights, is_leaf=linear.is_quantized) if linear.is_quantized(w)}
     shapes |= {(64, 4, cfg.num_kv_heads, cfg.head_size), (64, 4, max(cfg.num_kv_heads, tp), cfg.head_size)}
     return shapes
 
 
 CASES = {
-    "llama_kv_split_tp4": (LLAMA, dict(num_heads=8, num_kv_heads=4), 4),
-    "llama_kv_replicated_tp8": (LLAMA, dict(num_heads=8, num_kv_heads=4), 8),
-    "gemma3_mqa_tp4": (GEMMA3, dict(num_heads=4, num_kv_heads=1), 4),
+    "llama_kv_split_tp4": (LLAMA, dict(num_heads=8, num_kv_heads=4), 4, None),
+    "llama_kv_replicated_tp8": (LLAMA, dict(num_heads=8, num_kv_heads=4), 8, None),
+    "gemma3_mqa_tp4": (GEMMA3, dict(num_heads=4, num_kv_heads=1), 4, None),
+    # Quantized weights (each matmul an opaque kernel in shard_map) and an int8 KV cache with its scales.
+    # head_dim 32 and F = 256: no values array has an activation's [T, D] shape.
+    "llama_int4_int8kv_tp4": (LLAMA, dict(num_heads=8, num_kv_heads=4, head_dim=32, intermediate_size=256), 4,
+                              "int4:32"),
 }
 
 
+def _opaque_matmul(x, w, **settings):
+    """The quantized matmul as a call XLA cannot look into (module docstring): [T, N] from whole operands."""
+    out = jax.ShapeDtypeStruct((x.shape[0], w.values.shape[0]), x.dtype)
+    return jax.pure_callback(lambda *a: np.zeros(out.shape, out.dtype), out, x, w.values, w.scales)
+
+
 @pytest.mark.parametrize("name", CASES)
-def test_tensor_parallel_steps_all_reduce_twice_per_layer_and_gather_no_weights_or_cache(name: str) -> None:
-    family, heads, tp = CASES[name]
+def test_tensor_parallel_steps_all_reduce_twice_per_layer_and_gather_no_weights_or_cache(
+        name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    family, heads, tp, quantization = CASES[name]
+    monkeypatch.setattr(linear, "quantized_matmul", _opaque_matmul)
     make = tiny_config if family is LLAMA else tiny_gemma_config
     # A vocabulary well above tp x the sampler's 256 candidates, so gathering candidates is not gathering logits.
-    cfg = make(vocab_size=8192, intermediate_size=128, **heads)
-    engine = _engine(cfg, tp, family)
-    big = _big_shapes(cfg, family, tp)
+    cfg = make(**{"vocab_size": 8192, "intermediate_size": 128, **heads})
+    engine = _engine(cfg, tp, family, quantization)
+    big = _big_shapes(cfg, family, tp, engine.runner.weights if quantization else None)
     for kind, (text, rows) in _compiled_texts(engine).items():
         ops = collective_ops(text)
         assert ops, f"{kind}: no collectives at tp={tp}; is the model sharded at all?"

@@ -62,8 +62,8 @@ def test_logits_of_first_decode_steps_within_1e4(llm: LLM, smollm2_golden: dict)
 def test_tensor_parallel_3_equals_hf(smollm2_golden: dict) -> None:
     """9 q heads and 3 kv heads over 3 forced CPU devices: each device owns 3 q heads and 1 kv head."""
     llm3 = LLM("smollm2-135m-instruct", tensor_parallel_size=3, **ENGINE_KW)
-    wq = llm3.weights.layers[0].wq
-    assert {s.data.shape for s in wq.addressable_shards} == {(576, 3, 64)}
+    wq = llm3.weights.layers[0].wq  # kept quantized from the GGUF: values [N = 9 x 64, K/2 or K]
+    assert {s.data.shape for s in wq.values.addressable_shards} == {(192, wq.values.shape[1])}
     cases = smollm2_golden["greedy"][:3]
     outs = llm3.generate([c["prompt_ids"] for c in cases], [greedy_params(c["max_new_tokens"]) for c in cases])
     assert [o.token_ids for o in outs] == [c["output_ids"] for c in cases]
@@ -76,3 +76,16 @@ def test_pallas_tpu_kernel_in_interpret_mode_gives_hf_greedy_tokens(smollm2_gold
     cases = smollm2_golden["greedy"][1:3]
     outs = llm_tpu.generate([c["prompt_ids"] for c in cases], [greedy_params(12) for _ in cases])
     assert [o.token_ids for o in outs] == [c["output_ids"][:12] for c in cases]
+
+
+def test_gguf_kept_quantized_in_at_most_1_2x_the_file(llm: LLM, smollm2_path) -> None:
+    """quantization=None (auto) keeps the GGUF's blocks as the kernels' int4/int8 codes + scales: device bytes
+    stay near the file's, and kv_cache_bytes is exactly the cache allocated (the goldens above ran on this)."""
+    from jaxinfer.kv_cache import bytes_per_page
+    from jaxinfer.linear import is_quantized
+
+    stats = llm.engine_stats()
+    assert is_quantized(llm.weights.layers[0].w_down) and is_quantized(llm.weights.layers[0].wq)
+    assert stats["weight_bytes"] <= 1.2 * smollm2_path.stat().st_size
+    runner = llm.engine.runner
+    assert stats["kv_cache_bytes"] == runner.kv_cache.num_pages * bytes_per_page(llm.model_config, 16, np.float32)

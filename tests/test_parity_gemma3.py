@@ -83,3 +83,16 @@ def test_logits_of_first_decode_steps_within_1e4(llm: LLM, gemma3_golden: dict) 
             assert int(logits.argmax()) == step["argmax"]
             assert np.linalg.norm(logits) == pytest.approx(step["norm"], rel=1e-4)
             prev_argmax = step["argmax"]
+
+
+def test_gguf_kept_quantized_in_at_most_1_2x_the_file(llm: LLM, gemma3_path) -> None:
+    """quantization=None (auto) keeps the GGUF's blocks as the kernels' int4/int8 codes + scales: device bytes
+    stay near the file's, and kv_cache_bytes is exactly the cache allocated (the goldens above ran on this)."""
+    from jaxinfer.kv_cache import bytes_per_page
+    from jaxinfer.linear import is_quantized
+
+    stats = llm.engine_stats()
+    assert is_quantized(llm.weights.layers[0].w_down) and is_quantized(llm.weights.layers[0].wq)
+    assert stats["weight_bytes"] <= 1.2 * gemma3_path.stat().st_size
+    runner = llm.engine.runner
+    assert stats["kv_cache_bytes"] == runner.kv_cache.num_pages * bytes_per_page(llm.model_config, 16, np.float32)

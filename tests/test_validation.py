@@ -188,7 +188,7 @@ def test_llm_arguments_vllm_names_aliases_notices_and_refusals() -> None:
     "name, value, wrong_type",
     [("max_model_len", 0, False), ("max_model_len", "4k", True), ("gpu_memory_utilization", 1.5, False),
      ("max_num_seqs", 0, False), ("block_size", 0, False), ("dtype", "int8", False), ("dtype", 32, True),
-     ("quantization", "awq", False), ("kv_cache_dtype", "fp8", False), ("tensor_parallel_size", 0, False),
+     ("quantization", "awq", False), ("kv_cache_dtype", "fp16", False), ("tensor_parallel_size", 0, False),
      ("attention_impl", "flash", False), ("enable_prefix_caching", "yes", True), ("num_pages", 1, False)],
 )
 def test_llm_argument_ranges(name: str, value, wrong_type: bool) -> None:

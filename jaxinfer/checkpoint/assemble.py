@@ -16,6 +16,11 @@ equal chunk of a fused tensor (gate and up projections saved as one). A rule may
 format; the first one the checkpoint holds completely is used, and whatever it does not use is reported
 as left over, so a checkpoint mixing layouts or missing one expert still fails with the names.
 Host memory for an expert weight is one layer's experts of that weight (about twice that while stacking).
+
+Quantized weights (a `plan`, jaxinfer.quantization): a planned weight is read like any other and
+quantized on the host, one tensor at a time; a format that stores the checkpoint's own blocks (GGUF)
+instead hands back integer codes and scales (`TensorSource.read_quantized`), whose rows are already
+the kernels' output channels, so that weight never exists in float anywhere.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxinfer.params import ParamSpec, is_spec
+from jaxinfer.quantization import Plan, QFormat, place_quantized, quantize_host, quantized_spec, to_values
 from jaxinfer.sharding import Logical, ShardingRules
 
 
@@ -229,6 +235,9 @@ class TensorSource:
     read: Callable[[str], np.ndarray]
     ignorable: Callable[[str], bool] = lambda name: False
     read_block: Callable[[str, tuple[slice, ...]], np.ndarray] | None = None
+    # (name, format) -> (codes [rows, K] int8, scales [rows, G], zeros or None) when the checkpoint stores
+    # the tensor in blocks that map onto `format` exactly; None: read it as floats and quantize.
+    read_quantized: Callable[[str, QFormat], tuple[np.ndarray, np.ndarray, np.ndarray | None] | None] | None = None
 
 
 def assemble_weights(
@@ -239,27 +248,63 @@ def assemble_weights(
     mesh: Mesh,
     sharding_rules: ShardingRules,
     postprocess: Callable[[str, TensorRule, np.ndarray], np.ndarray] | None = None,
+    quant_plan: Plan | None = None,
 ) -> Any:
-    """Build the weights pytree from `source` (fmt: "gguf" or "hf"), checking names and shapes exhaustively."""
-    plan = []
-    for path, spec in _flatten_with_paths(specs):
-        rule, groups = _rule_for(path, rules)
-        plan.append(_plan_one(path, spec, rule, groups, fmt, source.names))
+    """Build the weights pytree from `source` (fmt: "gguf" or "hf"), checking names and shapes exhaustively.
+
+    `specs` are the float specs; weights named in `quant_plan` come out quantized (module docstring), and
+    `postprocess` then also reorders the rows of codes and scales (GGUF's rotary un-permute)."""
+    quant_plan = quant_plan or {}
+    plan = plan_sources(specs, rules, source.names, fmt)
     _check_names_and_shapes(plan, source)
     arrays = []
     for p in plan:
+        if p.path in quant_plan:
+            arrays.append(_quantized(p, quant_plan[p.path], source, postprocess, mesh, sharding_rules))
+            continue
         sharding = sharding_rules.sharding(mesh, p.spec.logical_axes)
         if _reads_blocks(p, source, sharding, postprocess):
             arrays.append(_place_blocks(p, source, sharding))
             continue
-        tensors = [source.read(name) for name in p.names]
-        if postprocess is not None:
-            tensors = [postprocess(p.path, p.rule, w) for w in tensors]
-        w = np.ascontiguousarray(p.to_our_layout(tensors)).astype(p.spec.dtype)
-        del tensors
+        w = _read_ours(p, source, postprocess).astype(p.spec.dtype)
         arrays.append(_place(w, sharding))
     _, treedef = jax.tree.flatten(specs, is_leaf=is_spec)
     return jax.tree.unflatten(treedef, arrays)
+
+
+def plan_sources(specs: Any, rules: list[TensorRule], names: set[str], fmt: str) -> list[_Planned]:
+    """Every weight resolved to the checkpoint tensor(s) that hold it (not yet checked)."""
+    plan = []
+    for path, spec in _flatten_with_paths(specs):
+        rule, groups = _rule_for(path, rules)
+        plan.append(_plan_one(path, spec, rule, groups, fmt, names))
+    return plan
+
+
+def _read_ours(p: _Planned, source: TensorSource, postprocess: Any) -> np.ndarray:
+    """One weight as floats in our layout (host memory: its checkpoint tensors, then the result)."""
+    tensors = [source.read(name) for name in p.names]
+    if postprocess is not None:
+        tensors = [postprocess(p.path, p.rule, w) for w in tensors]
+    return np.ascontiguousarray(p.to_our_layout(tensors))
+
+
+def _quantized(p: _Planned, qfmt: QFormat, source: TensorSource, postprocess: Any, mesh: Mesh,
+               sharding_rules: ShardingRules) -> Any:
+    """One planned weight, quantized: the checkpoint's own blocks when they map exactly, else its floats."""
+    qspec = quantized_spec(p.spec, qfmt)
+    decoded = None
+    if source.read_quantized is not None and p.experts is None and p.part is None:
+        decoded = source.read_quantized(p.names[0], qfmt)
+    if decoded is None:
+        arrays = quantize_host(_read_ours(p, source, postprocess).astype(np.float32), p.spec, qfmt)
+    else:
+        codes, scales, zeros = decoded
+        if postprocess is not None:  # row reorders (GGUF's rotary un-permute) apply to codes and scales alike
+            codes, scales = postprocess(p.path, p.rule, codes), postprocess(p.path, p.rule, scales)
+            zeros = None if zeros is None else postprocess(p.path, p.rule, zeros)
+        arrays = (to_values(codes, qfmt), scales.T, None if zeros is None else zeros.T)
+    return place_quantized(arrays, qspec, mesh, sharding_rules)
 
 
 def _check_names_and_shapes(plan: list[_Planned], source: TensorSource) -> None:

@@ -1,8 +1,11 @@
 """GGUF checkpoints (llama.cpp files) through the `gguf` package.
 
-Config comes from the metadata, tensors are dequantized with the gguf package's NumPy dequantizers (every
-quant type it implements: F32, F16, BF16, Q4_0/1, Q5_0/1, Q8_0, K-quants, ...), and the Q/K row
-interleave that llama.cpp's converter applies to Llama-architecture files is undone so our rotary
+Config comes from the metadata. With quantization="auto" the quantized tensors keep their quantization:
+`quantization_plan` gives each its nearest kernel format and the loader repacks its blocks into it
+(jaxinfer.checkpoint.gguf_repack). Otherwise (quantization="none", or float tensors) tensors are
+dequantized with the gguf package's NumPy dequantizers (every quant type it implements: F32, F16, BF16,
+Q4_0/1, Q5_0/1, Q8_0, K-quants, ...). The Q/K row interleave that llama.cpp's converter applies to
+Llama-architecture files is undone (on floats, or on the rows of codes and scales) so our rotary
 embedding (HF half-split convention) applies unchanged. Likewise a rule's `gguf_add` undoes value
 conventions of llama.cpp's converters (Gemma norms stored as 1 + w), so loaded weights are HF's.
 """
@@ -10,6 +13,7 @@ conventions of llama.cpp's converters (Gemma norms stored as 1 + w), so loaded w
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from functools import cached_property
 from pathlib import Path
@@ -20,11 +24,13 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize
 from jax.sharding import Mesh
 
-from jaxinfer.checkpoint.assemble import CheckpointError, TensorRule, TensorSource, assemble_weights
+from jaxinfer.checkpoint import gguf_repack
+from jaxinfer.checkpoint.assemble import CheckpointError, TensorRule, TensorSource, assemble_weights, plan_sources
 from jaxinfer.checkpoint.gguf_metadata import GGUFMetadataError, TensorInfo, read_gguf_layout
 from jaxinfer.config import ModelConfig, RopeScaling
 from jaxinfer.models import ModelFamily, family_for_gguf
 from jaxinfer.models.common import llama3_inv_freq, rope_inv_freq
+from jaxinfer.quantization import Plan, QFormat, matrix_view
 from jaxinfer.sharding import ShardingRules
 
 # Tensors llama.cpp files may carry that we derive ourselves (checked, then not loaded).
@@ -101,13 +107,27 @@ class GGUFCheckpoint:
             )
         return cfg
 
-    def _read(self, name: str) -> np.ndarray:
-        """Dequantize one tensor to float32 in NumPy (row-major) shape."""
+    def qtype(self, name: str) -> GGMLQuantizationType:
         t = self.tensors[name]
         try:
-            qtype = GGMLQuantizationType(t.type_code)
+            return GGMLQuantizationType(t.type_code)
         except ValueError:
             raise CheckpointError(f"{self.path}: tensor {name!r} has unknown GGML type code {t.type_code}.") from None
+
+    def check_types(self) -> None:
+        """Every tensor's GGML type is one we can read (repack or dequantize), checked from the header alone
+        before anything is loaded: otherwise a CheckpointError naming the tensor, its type and what we read."""
+        for name in self.tensors:
+            qtype = self.qtype(name)
+            if not _decodable(qtype):
+                readable = ", ".join(sorted(t.name for t in GGMLQuantizationType if _decodable(t)))
+                raise CheckpointError(f"{self.path}: tensor {name!r} is stored as GGML {qtype.name}, which jaxinfer "
+                                      f"cannot read (it reads {readable}); re-quantize the file with another type.")
+
+    def _raw(self, name: str) -> tuple[GGMLQuantizationType, np.ndarray]:
+        """One tensor's bytes as [rows, row bytes] (rows: every dimension but the innermost)."""
+        t = self.tensors[name]
+        qtype = self.qtype(name)
         block, type_size = GGML_QUANT_SIZES[qtype]
         row_bytes = t.dims[0] // block * type_size
         rows = math.prod(t.dims[1:])
@@ -116,7 +136,11 @@ class GGUFCheckpoint:
             raise CheckpointError(
                 f"{self.path}: truncated: tensor {name!r} needs bytes up to {end} but the file has {self._data.size}."
             )
-        raw = np.array(self._data[t.offset : end]).reshape(rows, row_bytes)  # a plain copy: memmap views are slow
+        return qtype, np.array(self._data[t.offset : end]).reshape(rows, row_bytes)  # a copy: memmap views are slow
+
+    def _read(self, name: str) -> np.ndarray:
+        """Dequantize one tensor to float32 in NumPy (row-major) shape."""
+        qtype, raw = self._raw(name)
         try:
             w = dequantize(raw, qtype)
         except (NotImplementedError, ValueError) as e:
@@ -126,7 +150,35 @@ class GGUFCheckpoint:
     def _shape(self, name: str) -> tuple[int, ...]:
         return tuple(int(d) for d in reversed(self.tensors[name].dims))  # GGML lists dims innermost first
 
-    def load_weights(self, specs: Any, mesh: Mesh, rules: ShardingRules) -> Any:
+    def _read_quantized(self, name: str, fmt: QFormat) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
+        """Codes and scales of a tensor whose blocks map onto `fmt` exactly (gguf_repack); None otherwise."""
+        qtype = self.qtype(name)
+        if len(self.tensors[name].dims) != 2 or not gguf_repack.is_exact(qtype, fmt):
+            return None
+        return gguf_repack.decode(qtype, self._raw(name)[1])
+
+    def quantization_plan(self, specs: Any) -> tuple[Plan, dict[str, list[str]]]:
+        """quantization="auto": each quantizable weight stored in a quantized block type gets the nearest
+        kernel format. Also returns {GGUF type: weights} of the types that are not repacked exactly
+        (dequantized and requantized), for the notice that says so."""
+        self.check_types()
+        plan, inexact = {}, {}
+        for p in plan_sources(specs, self.family.checkpoint_rules(), set(self.tensors), "gguf"):
+            view = matrix_view(p.spec)
+            if view is None or p.names[0] not in self.tensors:
+                continue  # a missing tensor is reported by the loader with the others
+            qtype = self.qtype(p.names[0])
+            fmt = gguf_repack.format_for(qtype, view.k, view.experts is not None)
+            if fmt is None:
+                continue
+            plan[p.path] = fmt
+            if not gguf_repack.is_exact(qtype, fmt) or p.part is not None:
+                inexact.setdefault(qtype.name, []).append(p.path)
+        return plan, inexact
+
+    def load_weights(self, specs: Any, mesh: Mesh, rules: ShardingRules, plan: Plan | None = None) -> Any:
+        """The weights of `specs` (float specs); those named in `plan` quantized (module docstring)."""
+        self.check_types()
         cfg = self.config
         source = TensorSource(
             description=str(self.path),
@@ -134,6 +186,7 @@ class GGUFCheckpoint:
             shape_of=self._shape,
             read=self._read,
             ignorable=lambda n: n in _DERIVED_TENSORS,
+            read_quantized=self._read_quantized,
         )
 
         # llama.cpp permutes Q/K rows only in Llama-architecture files; other families keep HF's order.
@@ -146,5 +199,20 @@ class GGUFCheckpoint:
                 w = w + np.asarray(rule.gguf_add, w.dtype)
             return w
 
-        return assemble_weights(specs, self.family.checkpoint_rules(), source, "gguf", mesh, rules, postprocess)
+        return assemble_weights(specs, self.family.checkpoint_rules(), source, "gguf", mesh, rules, postprocess,
+                                quant_plan=plan)
 
+
+@functools.cache
+def _decodable(qtype: GGMLQuantizationType) -> bool:
+    """Whether the gguf package dequantizes this type (probed on one block of zeros: its table of
+    dequantizers is private) or we repack it exactly."""
+    if qtype in gguf_repack.EXACT_TYPES:
+        return True
+    if qtype not in GGML_QUANT_SIZES:
+        return False
+    try:
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+    except (NotImplementedError, ValueError):
+        return False
+    return True

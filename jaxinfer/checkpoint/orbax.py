@@ -1,8 +1,10 @@
 """Orbax checkpoints: `jaxinfer convert SRC DST` writes one; loading restores straight into the mesh.
 
 Layout of DST:
-  jaxinfer_model.json   model config + format version (the marker that this is ours)
-  params/               orbax PyTree checkpoint of the weights pytree
+  jaxinfer_model.json   model config + format version (the marker that this is ours), and for a quantized
+                        model its quantization plan (weight path -> format, jaxinfer.quantization)
+  params/               orbax PyTree checkpoint of the weights pytree (quantized weights are their small
+                        pytrees of values / scales / zeros; restored straight into the mesh like any weight)
   tokenizer/            the tokenizer files (tokenizer.json or tokenizer.model + tokenizer_config.json), when the
                         source had a tokenizer
 """
@@ -22,14 +24,15 @@ from jaxinfer.checkpoint.assemble import CheckpointError
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import ModelFamily, family_for_config
 from jaxinfer.params import abstract_params
+from jaxinfer.quantization import Plan, plan_from_json, plan_to_json, quantize_params, quantized_specs
 from jaxinfer.sharding import ShardingRules
 
 ORBAX_MARKER = "jaxinfer_model.json"
 FORMAT_VERSION = 1
 
 
-def save_checkpoint(dst: str | Path, cfg: ModelConfig, weights: Any, tokenizer: Any) -> Path:
-    """Write weights (orbax), config and tokenizer to `dst`, which must not exist yet."""
+def save_checkpoint(dst: str | Path, cfg: ModelConfig, weights: Any, tokenizer: Any, plan: Plan | None = None) -> Path:
+    """Write weights (orbax), config, quantization plan and tokenizer to `dst`, which must not exist yet."""
     dst = Path(dst).expanduser().resolve()
     if dst.exists():
         raise CheckpointError(f"{dst}: already exists; choose a new directory for the converted checkpoint.")
@@ -39,6 +42,8 @@ def save_checkpoint(dst: str | Path, cfg: ModelConfig, weights: Any, tokenizer: 
     if tokenizer is not None:  # a checkpoint without one converts to one without one (token-id prompts)
         tokenizer.save(dst / "tokenizer")
     meta = {"format_version": FORMAT_VERSION, "model_config": _config_to_json(cfg)}
+    if plan:
+        meta["quantization_plan"] = plan_to_json(plan)
     (dst / ORBAX_MARKER).write_text(json.dumps(meta, indent=1, sort_keys=True), encoding="utf-8")
     return dst
 
@@ -77,11 +82,20 @@ class OrbaxCheckpoint:
     def tokenizer_path(self) -> Path:
         return self.directory / "tokenizer"
 
-    def load_weights(self, specs: Any, mesh: Mesh, rules: ShardingRules) -> Any:
-        """Restore each array directly with its target sharding (no host round trip)."""
-        target = abstract_params(specs, mesh, rules)
+    @cached_property
+    def stored_plan(self) -> Plan:
+        """The quantization plan the checkpoint was saved with ({} for float weights)."""
+        return plan_from_json(self.meta.get("quantization_plan", {}))
+
+    def load_weights(self, specs: Any, mesh: Mesh, rules: ShardingRules, plan: Plan | None = None) -> Any:
+        """Restore each array directly with its target sharding (no host round trip); quantized weights
+        restore quantized. A float checkpoint loaded with a quantization plan is quantized after."""
+        target = abstract_params(quantized_specs(specs, self.stored_plan), mesh, rules)
         try:
             with ocp.StandardCheckpointer() as ckptr:
-                return ckptr.restore(self.directory / "params", target)
+                weights = ckptr.restore(self.directory / "params", target)
         except (ValueError, FileNotFoundError) as e:
             raise CheckpointError(f"{self.directory}: orbax restore failed ({e}).") from None
+        if plan and not self.stored_plan:
+            weights = quantize_params(weights, specs, plan, mesh, rules)
+        return weights

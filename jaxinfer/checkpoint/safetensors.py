@@ -149,7 +149,8 @@ class SafetensorsCheckpoint:
         tied_copy = self.config.tie_word_embeddings and name == "lm_head.weight"
         return tied_copy or name.endswith(_DERIVED_SUFFIXES)
 
-    def load_weights(self, specs: Any, mesh: Mesh, rules: ShardingRules) -> Any:
+    def load_weights(self, specs: Any, mesh: Mesh, rules: ShardingRules, plan: Any = None) -> Any:
+        """The weights of `specs` (float specs); those named in `plan` quantized at load, one at a time."""
         with contextlib.ExitStack() as stack:
             handles = {file: stack.enter_context(self._open(file)) for file in set(self.weight_map.values())}
 
@@ -176,4 +177,5 @@ class SafetensorsCheckpoint:
                 ignorable=self._ignorable,
                 read_block=read_block,
             )
-            return assemble_weights(specs, self.family.checkpoint_rules(), source, "hf", mesh, rules)
+            return assemble_weights(specs, self.family.checkpoint_rules(), source, "hf", mesh, rules,
+                                    quant_plan=plan)

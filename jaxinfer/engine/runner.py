@@ -46,7 +46,7 @@ from jaxinfer.engine.sampling import (
     set_rows,
     update_output_counts,
 )
-from jaxinfer.kv_cache import KVCache, cache_sharding
+from jaxinfer.kv_cache import KVCache, cache_shardings
 from jaxinfer.models import ModelFamily
 from jaxinfer.models.common import AttentionMetadata, gather_last_tokens
 from jaxinfer.sharding import Logical, ShardingRules, axis_size, replicated
@@ -178,7 +178,7 @@ class ModelRunner:
     def _pin_state(self, kv_cache: KVCache, penalties: PenaltyState) -> tuple[KVCache, PenaltyState]:
         """Give the carried state the sharding it came in with, so an executable compiled ahead of time for
         that sharding takes the next step's state as it is."""
-        kv_cache = jax.lax.with_sharding_constraint(kv_cache, cache_sharding(self.mesh, self.rules))
+        kv_cache = jax.lax.with_sharding_constraint(kv_cache, cache_shardings(kv_cache, self.mesh, self.rules))
         return kv_cache, jax.lax.with_sharding_constraint(penalties, self.penalty_sharding())
 
     def _forward(self, weights: Any, token_ids: jax.Array, md: AttentionMetadata, kv_cache: KVCache,
@@ -397,11 +397,9 @@ class ModelRunner:
 
 
 def copy_pages(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    """Copy-on-write: page dst <- page src in every layer (reads all happen before writes)."""
-    return KVCache(
-        k=tuple(k.at[dst].set(k[src]) for k in kv_cache.k),
-        v=tuple(v.at[dst].set(v[src]) for v in kv_cache.v),
-    )
+    """Copy-on-write: page dst <- page src in every layer (reads all happen before writes); every leaf has
+    pages first, so quantized pages copy their per-token scales with their values."""
+    return jax.tree.map(lambda a: a.at[dst].set(a[src]), kv_cache)
 
 
 def decode_metadata(

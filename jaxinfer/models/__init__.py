@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -97,6 +98,13 @@ MIXTRAL = ModelFamily(
 )
 
 FAMILIES: dict[str, ModelFamily] = {f.name: f for f in (LLAMA, GEMMA3, QWEN3, QWEN3_MOE, MIXTRAL)}
+
+
+def with_linear(family: ModelFamily, linear: Any) -> ModelFamily:
+    """The family with `linear` (jaxinfer.linear.Linear: how quantized weights run on this mesh) bound into
+    its forward and compute_logits, so callers (the runner) keep calling them as before."""
+    return dataclasses.replace(family, forward=functools.partial(family.forward, linear=linear),
+                               compute_logits=functools.partial(family.compute_logits, linear=linear))
 
 
 def _supported(attr: str) -> str:

@@ -16,6 +16,9 @@ from flax import struct
 
 from jaxinfer.checkpoint.assemble import CheckpointError
 from jaxinfer.config import ConfigError, ModelConfig, RopeScaling
+from jaxinfer.linear import DEFAULT_LINEAR, Linear, is_quantized
+from jaxinfer.sharding import Logical
+from pallas_kernels.ragged_paged_attention.reference import QuantizedPages, quantize_kv
 
 # ModelConfig fields that only some families read; a family refuses the ones it would ignore.
 GEMMA_FIELDS = ("sliding_window", "sliding_window_pattern", "rope_local_theta", "query_pre_attn_scalar",
@@ -102,32 +105,70 @@ def apply_rope(x: jax.Array, positions: jax.Array, inv_freq: jax.Array) -> jax.A
     return rotated.astype(x.dtype)
 
 
-def gated_mlp(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, act: str) -> jax.Array:
+def project(x: jax.Array, w: Any, spec: str, out_axis: Logical, linear: Linear = DEFAULT_LINEAR,
+            out_shape: tuple[int, ...] | None = None) -> jax.Array:
+    """x [T, D] times a column-parallel weight: a float weight as the einsum `spec`, a quantized one
+    ([D, N] in the kernels' format) through `linear`, reshaped to [T, *out_shape] (e.g. heads)."""
+    if not is_quantized(w):
+        return jnp.einsum(spec, x, w)
+    y = linear.matmul(x, w, Logical.EMBED, out_axis)  # [T, N]
+    return y if out_shape is None else y.reshape(x.shape[0], *out_shape)
+
+
+def head_projections(x: jax.Array, wq: Any, wk: Any, wv: Any, head_dim: int,
+                     linear: Linear = DEFAULT_LINEAR) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [T, D] -> q [T, N, H], k [T, K, H], v [T, K, H] (float or quantized weights)."""
+    def heads(w: Any, axis: Logical) -> jax.Array:
+        out_shape = None if not is_quantized(w) else (w.out_features // head_dim, head_dim)
+        return project(x, w, "td,dnh->tnh", axis, linear, out_shape)
+
+    return heads(wq, Logical.Q_HEADS), heads(wk, Logical.KV_HEADS), heads(wv, Logical.KV_HEADS)
+
+
+def gated_mlp(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any, act: str,
+              linear: Linear = DEFAULT_LINEAR) -> jax.Array:
     """SwiGLU (act="silu") or GeGLU (act="gelu_tanh"): down(act(x @ gate) * (x @ up))."""
-    gate = jnp.einsum("td,df->tf", x, w_gate)  # [T, F]
-    up = jnp.einsum("td,df->tf", x, w_up)  # [T, F]
+    gate = project(x, w_gate, "td,df->tf", Logical.FFN, linear)  # [T, F]
+    up = project(x, w_up, "td,df->tf", Logical.FFN, linear)  # [T, F]
     if act == "silu":
         h = jax.nn.silu(gate) * up
     elif act == "gelu_tanh":
         h = jax.nn.gelu(gate, approximate=True) * up
     else:
         raise ValueError(f"gated_mlp: unknown activation {act!r}; expected 'silu' or 'gelu_tanh'.")
+    if is_quantized(w_down):
+        return linear.matmul(h, w_down, Logical.FFN, Logical.EMBED)  # [T, D]
     return jnp.einsum("tf,fd->td", h, w_down)  # [T, D]
 
 
-def output_projection(attn: jax.Array, wo: jax.Array) -> jax.Array:
+def output_projection(attn: jax.Array, wo: Any, linear: Linear = DEFAULT_LINEAR) -> jax.Array:
     """attn [T, N, H] @ wo [N, H, D] -> [T, D], contracted as one [T, N*H] x [N*H, D] matmul.
 
     Written as the einsum "tnh,nhd->td", XLA's CPU layout assignment contracted (h, n) in that order and
     transposed wo into it: a full copy of the weight on every call, and inside the multi-step decode loop on
-    every iteration. Both reshapes here are free (row-major bitcasts), so the weight is read in place."""
+    every iteration. Both reshapes here are free (row-major bitcasts), so the weight is read in place.
+    A quantized wo is already [D, N*H] values (output-major) and goes through `linear`."""
     t, n, h = attn.shape
+    if is_quantized(wo):
+        return linear.matmul(attn.reshape(t, n * h), wo, Logical.Q_HEADS, Logical.EMBED)  # [T, D]
     return jnp.einsum("tm,md->td", attn.reshape(t, n * h), wo.reshape(n * h, wo.shape[-1]))  # [T, D]
 
 
-def write_kv(
-    k_pages: jax.Array, v_pages: jax.Array, k: jax.Array, v: jax.Array, slot_mapping: jax.Array
-) -> tuple[jax.Array, jax.Array]:
+def embed_lookup(table: Any, token_ids: jax.Array, dtype: Any, linear: Linear = DEFAULT_LINEAR) -> jax.Array:
+    """token_ids [T] -> [T, D] rows of the embedding (a quantized table is dequantized to `dtype`)."""
+    if is_quantized(table):
+        return linear.embed(token_ids, table, dtype)
+    return jnp.take(table, token_ids, axis=0)
+
+
+def vocab_logits(hidden: jax.Array, table: Any, tied: bool, linear: Linear = DEFAULT_LINEAR) -> jax.Array:
+    """hidden [S, D] -> logits [S, V] (hidden's dtype) against a tied embedding [V, D] or an LM head [D, V]."""
+    if is_quantized(table):
+        return linear.matmul(hidden, table, Logical.EMBED, Logical.VOCAB)
+    return jnp.einsum("sd,vd->sv" if tied else "sd,dv->sv", hidden, table)
+
+
+def write_kv(k_pages: Any, v_pages: Any, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> tuple[Any, Any]:
     """Scatter this step's keys/values [T, K, H] into the paged cache [P, R, K, H] at their flat slots.
 
     Padding tokens carry slots inside page 0, the reserved trash page, so no mask is needed.
@@ -137,18 +178,38 @@ def write_kv(
     row and selecting, and that read of the old cache beside the in-place write made it copy every cache
     layer on every step (41 instead of 7 ms per token on an H100). A dynamic-update-slice clamps instead,
     which is equivalent here (the slot is always in bounds), so the layer is updated in place.
+
+    Quantized pages (int8 / fp8 KV, `QuantizedPages`) are quantized on write: each new token's row of
+    each head gets its own absmax scale (quantize_kv), written into the scale page [P, K, R] beside the
+    values the same way (in place for one token).
     """
-    num_pages, page_size, kv_heads, head_dim = k_pages.shape
+    return _write_pages(k_pages, k, slot_mapping), _write_pages(v_pages, v, slot_mapping)
+
+
+def _write_pages(pages: Any, x: jax.Array, slot_mapping: jax.Array) -> Any:
+    if not isinstance(pages, QuantizedPages):
+        return _write_values(pages, x.astype(pages.dtype), slot_mapping)
+    codes, scales = quantize_kv(x, pages.dtype)  # [T, K, H], [T, K]
+    return QuantizedPages(_write_values(pages.values, codes, slot_mapping),
+                          _write_scales(pages.scales, scales, slot_mapping))
+
+
+def _write_values(pages: jax.Array, x: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    num_pages, page_size, kv_heads, head_dim = pages.shape
+    if x.shape[0] == 1:  # no reshape either: a bitcast around the update also cost the in-place write
+        slot = slot_mapping[0]
+        return jax.lax.dynamic_update_slice(pages, x[None], (slot // page_size, slot % page_size, 0, 0))
     flat_shape = (num_pages * page_size, kv_heads, head_dim)  # [P*R, K, H]
+    return pages.reshape(flat_shape).at[slot_mapping].set(x).reshape(pages.shape)
 
-    def write(pages: jax.Array, x: jax.Array) -> jax.Array:
-        x = x.astype(pages.dtype)
-        if x.shape[0] == 1:  # no reshape either: a bitcast around the update also cost the in-place write
-            slot = slot_mapping[0]
-            return jax.lax.dynamic_update_slice(pages, x[None], (slot // page_size, slot % page_size, 0, 0))
-        return pages.reshape(flat_shape).at[slot_mapping].set(x).reshape(pages.shape)  # via [P*R, K, H]
 
-    return write(k_pages, k), write(v_pages, v)
+def _write_scales(scales: jax.Array, s: jax.Array, slot_mapping: jax.Array) -> jax.Array:
+    """s [T, K] into scales [P, K, R] at each token's (page, :, offset)."""
+    page_size = scales.shape[2]
+    page, offset = slot_mapping // page_size, slot_mapping % page_size  # [T]
+    if s.shape[0] == 1:
+        return jax.lax.dynamic_update_slice(scales, s.T[None], (page[0], 0, offset[0]))  # [1, K, 1]
+    return scales.at[page, :, offset].set(s)
 
 
 def gather_last_tokens(hidden: jax.Array, logits_indices: jax.Array) -> jax.Array:

@@ -40,8 +40,12 @@ from flax import struct
 from jaxinfer.checkpoint.assemble import CheckpointError, TensorRule, Transform
 from jaxinfer.config import ConfigError, ModelConfig, RopeScaling
 from jaxinfer.kv_cache import KVCache
+from jaxinfer.linear import DEFAULT_LINEAR, Linear
 from jaxinfer.models.common import (
     MOE_FIELDS,
+    embed_lookup,
+    head_projections,
+    vocab_logits,
     gguf_arch_key,
     AttentionFn,
     AttentionMetadata,
@@ -192,24 +196,23 @@ def attention_block(
     settings: LayerAttention,
     cfg: ModelConfig,
     attn_fn: AttentionFn,
+    linear: Linear = DEFAULT_LINEAR,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     eps = cfg.rms_norm_eps
-    q = jnp.einsum("td,dnh->tnh", x, layer.wq)  # [T, N, H]
-    k = jnp.einsum("td,dkh->tkh", x, layer.wk)  # [T, K, H]
-    v = jnp.einsum("td,dkh->tkh", x, layer.wv)  # [T, K, H]
+    q, k, v = head_projections(x, layer.wq, layer.wk, layer.wv, cfg.head_size, linear)  # [T, N|K, H]
     q = _norm(q, layer.q_norm, eps)  # over H, per head
     k = _norm(k, layer.k_norm, eps)
     q = apply_rope(q, md.positions, settings.inv_freq)
     k = apply_rope(k, md.positions, settings.inv_freq)
     attn, k_pages, v_pages = attn_fn(q, k, v, k_pages, v_pages, md, **settings.kwargs)  # [T, N, H]
-    out = output_projection(attn, layer.wo)  # [T, D]
+    out = output_projection(attn, layer.wo, linear)  # [T, D]
     return out, k_pages, v_pages
 
 
-def embed_tokens(weights: Gemma3Weights, token_ids: jax.Array) -> jax.Array:
+def embed_tokens(weights: Gemma3Weights, token_ids: jax.Array, linear: Linear = DEFAULT_LINEAR) -> jax.Array:
     """token_ids [T] -> [T, D] scaled by sqrt(D); the scale is rounded to the weights' dtype like HF's."""
-    x = jnp.take(weights.embed, token_ids, axis=0)  # [T, D]
-    return x * jnp.asarray(math.sqrt(weights.embed.shape[1]), x.dtype)
+    x = embed_lookup(weights.embed, token_ids, weights.final_norm.dtype, linear)  # [T, D]
+    return x * jnp.asarray(math.sqrt(x.shape[1]), x.dtype)
 
 
 def forward(
@@ -219,19 +222,21 @@ def forward(
     md: AttentionMetadata,
     kv_cache: KVCache,
     attn_fn: AttentionFn,
+    *,
+    linear: Linear = DEFAULT_LINEAR,
 ) -> tuple[jax.Array, KVCache]:
     """token_ids [T] -> final normed hidden states [T, D] and the updated cache (layer loop unrolled)."""
     ex = gemma3_extras(cfg)
     eps = cfg.rms_norm_eps
     settings = layer_attention_settings(cfg, ex)
-    x = embed_tokens(weights, token_ids)  # [T, D]
+    x = embed_tokens(weights, token_ids, linear)  # [T, D]
     new_k, new_v = [], []
     for layer, k_pages, v_pages, s in zip(weights.layers, kv_cache.k, kv_cache.v, settings):
         h = _norm(x, layer.attn_norm, eps)
-        h, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, s, cfg, attn_fn)
+        h, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, s, cfg, attn_fn, linear)
         x = x + _norm(h, layer.post_attn_norm, eps)
         h = _norm(x, layer.mlp_norm, eps)
-        h = gated_mlp(h, layer.w_gate, layer.w_up, layer.w_down, "gelu_tanh")
+        h = gated_mlp(h, layer.w_gate, layer.w_up, layer.w_down, "gelu_tanh", linear)
         x = x + _norm(h, layer.post_mlp_norm, eps)
         new_k.append(k_pages)
         new_v.append(v_pages)
@@ -239,9 +244,10 @@ def forward(
     return x, KVCache(k=tuple(new_k), v=tuple(new_v))
 
 
-def compute_logits(weights: Gemma3Weights, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+def compute_logits(weights: Gemma3Weights, cfg: ModelConfig, hidden: jax.Array, *,
+                   linear: Linear = DEFAULT_LINEAR) -> jax.Array:
     """hidden [S, D] -> float32 logits [S, V] (tied head), tanh-capped when the config says so."""
-    logits = jnp.einsum("sd,vd->sv", hidden, weights.embed).astype(jnp.float32)  # [S, V]
+    logits = vocab_logits(hidden, weights.embed, True, linear).astype(jnp.float32)  # [S, V]
     cap = gemma3_extras(cfg).final_logit_softcap
     return logits if cap is None else cap * jnp.tanh(logits / cap)
 

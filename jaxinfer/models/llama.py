@@ -16,15 +16,19 @@ from flax import struct
 from jaxinfer.checkpoint.assemble import CheckpointError, TensorRule, Transform
 from jaxinfer.config import ConfigError, ModelConfig, RopeScaling
 from jaxinfer.kv_cache import KVCache
+from jaxinfer.linear import DEFAULT_LINEAR, Linear
 from jaxinfer.models.common import (
     gguf_arch_key,
     AttentionFn,
     AttentionMetadata,
     apply_rope,
+    embed_lookup,
     gated_mlp,
+    head_projections,
     output_projection,
     rms_norm,
     rope_inv_freq,
+    vocab_logits,
 )
 from jaxinfer.params import Init, ParamSpec
 from jaxinfer.sharding import Logical as L
@@ -99,14 +103,14 @@ def attention_block(
     md: AttentionMetadata,
     inv_freq: jax.Array,
     attn_fn: AttentionFn,
+    linear: Linear = DEFAULT_LINEAR,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    q = jnp.einsum("td,dnh->tnh", x, layer.wq)  # [T, N, H]
-    k = jnp.einsum("td,dkh->tkh", x, layer.wk)  # [T, K, H]
-    v = jnp.einsum("td,dkh->tkh", x, layer.wv)  # [T, K, H]
+    # RoPE rotates the whole head here, so H = 2 x the frequencies (a quantized weight's heads are flat).
+    q, k, v = head_projections(x, layer.wq, layer.wk, layer.wv, 2 * inv_freq.shape[0], linear)  # [T, N|K, H]
     q = apply_rope(q, md.positions, inv_freq)
     k = apply_rope(k, md.positions, inv_freq)
     attn, k_pages, v_pages = attn_fn(q, k, v, k_pages, v_pages, md)  # [T, N, H]
-    out = output_projection(attn, layer.wo)  # [T, D]
+    out = output_projection(attn, layer.wo, linear)  # [T, D]
     return out, k_pages, v_pages
 
 
@@ -117,32 +121,34 @@ def forward(
     md: AttentionMetadata,
     kv_cache: KVCache,
     attn_fn: AttentionFn,
+    *,
+    linear: Linear = DEFAULT_LINEAR,
 ) -> tuple[jax.Array, KVCache]:
     """token_ids [T] -> final normed hidden states [T, D] and the updated cache.
 
     The layer loop is unrolled in Python so each layer's cache is its own buffer (ARCHITECTURE.md).
+    `linear` applies quantized weights (jaxinfer.linear); float weights never use it.
     """
     inv_freq = rope_inv_freq(cfg.head_size, cfg.rope_theta, cfg)
-    x = jnp.take(weights.embed, token_ids, axis=0)  # [T, D]
+    x = embed_lookup(weights.embed, token_ids, weights.final_norm.dtype, linear)  # [T, D]
     new_k, new_v = [], []
     for layer, k_pages, v_pages in zip(weights.layers, kv_cache.k, kv_cache.v):
         h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        attn_out, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, inv_freq, attn_fn)
+        attn_out, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, inv_freq, attn_fn, linear)
         x = x + attn_out
         h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-        x = x + gated_mlp(h, layer.w_gate, layer.w_up, layer.w_down, "silu")
+        x = x + gated_mlp(h, layer.w_gate, layer.w_up, layer.w_down, "silu", linear)
         new_k.append(k_pages)
         new_v.append(v_pages)
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)
     return x, KVCache(k=tuple(new_k), v=tuple(new_v))
 
 
-def compute_logits(weights: LlamaWeights, cfg: ModelConfig, hidden: jax.Array) -> jax.Array:
+def compute_logits(weights: LlamaWeights, cfg: ModelConfig, hidden: jax.Array, *,
+                   linear: Linear = DEFAULT_LINEAR) -> jax.Array:
     """hidden [S, D] -> float32 logits [S, V]."""
-    if weights.lm_head is None:
-        logits = jnp.einsum("sd,vd->sv", hidden, weights.embed)  # [S, V]
-    else:
-        logits = jnp.einsum("sd,dv->sv", hidden, weights.lm_head)  # [S, V]
+    tied = weights.lm_head is None
+    logits = vocab_logits(hidden, weights.embed if tied else weights.lm_head, tied, linear)  # [S, V]
     return logits.astype(jnp.float32)
 
 

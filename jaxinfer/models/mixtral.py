@@ -18,8 +18,10 @@ from jaxinfer.checkpoint.assemble import CheckpointError, Part, TensorRule, Tran
 from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.models import llama
+from jaxinfer.linear import DEFAULT_LINEAR, Linear
 from jaxinfer.models.common import (
     GEMMA_FIELDS,
+    embed_lookup,
     MOE_REQUIRED,
     AttentionFn,
     AttentionMetadata,
@@ -100,16 +102,18 @@ def forward(
     attn_fn: AttentionFn,
     *,
     moe_fn: MoEFn = moe_block,
+    linear: Linear = DEFAULT_LINEAR,
 ) -> tuple[jax.Array, KVCache]:
     """token_ids [T] -> final normed hidden states [T, D] and the updated cache (layer loop unrolled)."""
     eps = cfg.rms_norm_eps
     inv_freq = rope_inv_freq(cfg.head_size, cfg.rope_theta, cfg)
-    x = jnp.take(weights.embed, token_ids, axis=0)  # [T, D]
+    x = embed_lookup(weights.embed, token_ids, weights.final_norm.dtype, linear)  # [T, D]
     valid = valid_tokens(md, x.shape[0])  # [T]
     new_k, new_v = [], []
     for layer, k_pages, v_pages in zip(weights.layers, kv_cache.k, kv_cache.v):
         h = rms_norm(x, layer.attn_norm, eps)
-        attn_out, k_pages, v_pages = llama.attention_block(layer, h, k_pages, v_pages, md, inv_freq, attn_fn)
+        attn_out, k_pages, v_pages = llama.attention_block(layer, h, k_pages, v_pages, md, inv_freq, attn_fn,
+                                                           linear)
         x = x + attn_out
         h = rms_norm(x, layer.mlp_norm, eps)
         moe_out, _ = moe_fn(h, layer.moe, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,

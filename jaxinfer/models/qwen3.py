@@ -29,8 +29,11 @@ from jaxinfer.checkpoint.assemble import CheckpointError, Part, TensorRule, Tran
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.models import llama
+from jaxinfer.linear import DEFAULT_LINEAR, Linear
 from jaxinfer.models.common import (
     GEMMA_FIELDS,
+    embed_lookup,
+    head_projections,
     MOE_FIELDS,
     MOE_REQUIRED,
     AttentionFn,
@@ -148,20 +151,20 @@ def attention_block(
     inv_freq: jax.Array,
     eps: float,
     attn_fn: AttentionFn,
+    linear: Linear = DEFAULT_LINEAR,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    q = jnp.einsum("td,dnh->tnh", x, layer.wq)  # [T, N, H]
-    k = jnp.einsum("td,dkh->tkh", x, layer.wk)  # [T, K, H]
-    v = jnp.einsum("td,dkh->tkh", x, layer.wv)  # [T, K, H]
+    q, k, v = head_projections(x, layer.wq, layer.wk, layer.wv, layer.q_norm.shape[0], linear)  # [T, N|K, H]
     q = apply_rope(rms_norm(q, layer.q_norm, eps), md.positions, inv_freq)  # norm over H, per head
     k = apply_rope(rms_norm(k, layer.k_norm, eps), md.positions, inv_freq)
     attn, k_pages, v_pages = attn_fn(q, k, v, k_pages, v_pages, md)  # [T, N, H]
-    out = output_projection(attn, layer.wo)  # [T, D]
+    out = output_projection(attn, layer.wo, linear)  # [T, D]
     return out, k_pages, v_pages
 
 
-def feed_forward(layer: Qwen3Layer, h: jax.Array, cfg: ModelConfig, valid: jax.Array, moe_fn: MoEFn) -> jax.Array:
+def feed_forward(layer: Qwen3Layer, h: jax.Array, cfg: ModelConfig, valid: jax.Array, moe_fn: MoEFn,
+                 linear: Linear = DEFAULT_LINEAR) -> jax.Array:
     if layer.moe is None:
-        return gated_mlp(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down, "silu")
+        return gated_mlp(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down, "silu", linear)
     out, _ = moe_fn(h, layer.moe, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, valid=valid)
     return out
 
@@ -175,21 +178,23 @@ def forward(
     attn_fn: AttentionFn,
     *,
     moe_fn: MoEFn = moe_block,
+    linear: Linear = DEFAULT_LINEAR,
 ) -> tuple[jax.Array, KVCache]:
     """token_ids [T] -> final normed hidden states [T, D] and the updated cache (layer loop unrolled).
 
-    `moe_fn` replaces the MoE block of sparse layers (a Pallas grouped matmul, expert-parallel dispatch).
+    `moe_fn` replaces the MoE block of sparse layers (a Pallas grouped matmul, expert-parallel dispatch);
+    `linear` applies quantized weights (jaxinfer.linear).
     """
     eps = cfg.rms_norm_eps
     inv_freq = rope_inv_freq(cfg.head_size, cfg.rope_theta, cfg)
-    x = jnp.take(weights.embed, token_ids, axis=0)  # [T, D]
+    x = embed_lookup(weights.embed, token_ids, weights.final_norm.dtype, linear)  # [T, D]
     valid = valid_tokens(md, x.shape[0])  # [T]
     new_k, new_v = [], []
     for layer, k_pages, v_pages in zip(weights.layers, kv_cache.k, kv_cache.v):
         h = rms_norm(x, layer.attn_norm, eps)
-        attn_out, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, inv_freq, eps, attn_fn)
+        attn_out, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, inv_freq, eps, attn_fn, linear)
         x = x + attn_out
-        x = x + feed_forward(layer, rms_norm(x, layer.mlp_norm, eps), cfg, valid, moe_fn)
+        x = x + feed_forward(layer, rms_norm(x, layer.mlp_norm, eps), cfg, valid, moe_fn, linear)
         new_k.append(k_pages)
         new_v.append(v_pages)
     x = rms_norm(x, weights.final_norm, eps)

@@ -15,6 +15,9 @@ not the page table's width.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -26,9 +29,66 @@ _KV_BLOCK_PAGES = 8
 _MASK_VALUE = -1e30
 
 
-def dequantize_pages(pages: jax.Array, scale: float | None) -> jax.Array:
-    """fp32 view of a (possibly int8/fp8) KV block: value * scale."""
+KV_QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["values", "scales"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class QuantizedPages:
+    """One layer's K (or V) pages stored int8 / e4m3 with a scale per token and KV head.
+
+    values [P, R, K, H] int8 | float8_e4m3fn: the page layout of docs/ARCHITECTURE.md;
+    scales [P, K, R] fp32: position r of page p, head k is `values[p, r, k, :] * scales[p, k, r]`.
+    The scales are head-major inside a page so a (page, head) row is R contiguous floats: the GPU
+    kernel copies it with one TMA beside the `[R, H]` box of values, the TPU kernel with the page's DMA.
+    Why per token and head (not one scale per tensor or per page): keys carry a few outlier channels
+    whose size varies from token to token and head to head, so one scale wide enough for the largest
+    would leave typical tokens a handful of int8 levels; a row's own absmax keeps every row's rounding
+    error under 1/254 of that row's largest value. It costs 4 bytes per 128 (H = 128), and the write
+    needs no read of what the page already holds (a token's scale depends on that token alone).
+    """
+
+    values: jax.Array
+    scales: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.values.shape
+
+    @property
+    def dtype(self) -> jnp.dtype:
+        return self.values.dtype
+
+    @property
+    def sharding(self):
+        return self.values.sharding
+
+
+def quantize_kv(x: jax.Array, dtype) -> tuple[jax.Array, jax.Array]:
+    """New keys or values [T, K, H] -> (codes [T, K, H] in `dtype`, scales [T, K] fp32): absmax per row."""
+    x32 = x.astype(jnp.float32)
+    qmax = KV_QMAX[jnp.dtype(dtype)]
+    scale = jnp.max(jnp.abs(x32), axis=-1) / qmax  # [T, K]
+    safe = jnp.where(scale > 0, scale, 1.0)
+    y = x32 / safe[..., None]
+    if jnp.dtype(dtype) == jnp.int8:
+        y = jnp.clip(jnp.round(y), -qmax, qmax)
+    return y.astype(dtype), scale
+
+
+def split_pages(pages) -> tuple[jax.Array, jax.Array | None]:
+    """(values, per-token scales or None) of plain or QuantizedPages."""
+    if isinstance(pages, QuantizedPages):
+        return pages.values, pages.scales
+    return pages, None
+
+
+def dequantize_pages(pages: jax.Array, scale: float | None, row_scales: jax.Array | None = None) -> jax.Array:
+    """fp32 view of a (possibly int8/fp8) KV block [B, R, K, H]: value * scale, or value * its row's
+    scale (row_scales [B, K, R], QuantizedPages)."""
     x = pages.astype(jnp.float32)
+    if row_scales is not None:
+        x = x * jnp.swapaxes(row_scales, 1, 2)[..., None]  # [B, R, K, 1]
     return x if scale is None else x * jnp.float32(scale)
 
 
@@ -53,9 +113,10 @@ def attention_mask(q_pos: jax.Array, kv_pos: jax.Array, kv_len: jax.Array,
     return mask
 
 
-def _kv_block(pages: jax.Array, block_row: jax.Array, scale: float | None) -> jax.Array:
+def _kv_block(pages, block_row: jax.Array, scale: float | None) -> jax.Array:
     """One block of a sequence's cache as fp32: [B] page ids -> [B*R, K, H]."""
-    block = dequantize_pages(pages[block_row], scale)  # [B, R, K, H]
+    values, row_scales = split_pages(pages)
+    block = dequantize_pages(values[block_row], scale, None if row_scales is None else row_scales[block_row])
     b, r, k, h = block.shape
     return block.reshape(b * r, k, h)  # [B*R, K, H]
 
@@ -69,7 +130,7 @@ def _attend_chunk(q_chunk, k_pages, v_pages, page_row, q_pos, row_valid, kv_len,
     cost follows the sequence's length rather than the page table's width. Invalid rows come out as zeros.
     """
     c, n, h = q_chunk.shape
-    kv_heads, page_size = k_pages.shape[2], k_pages.shape[1]
+    kv_heads, page_size = k_pages.shape[2], k_pages.shape[1]  # QuantizedPages has the values' shape
     block_pages = _KV_BLOCK_PAGES
     block = block_pages * page_size
     q4 = q_chunk.astype(jnp.float32).reshape(c, kv_heads, n // kv_heads, h)  # [C, K, G, H]
@@ -132,8 +193,8 @@ def _pad_to_blocks(page_indices: jax.Array) -> jax.Array:
 
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
-    k_pages: jax.Array,  # [P, R, K, H]
-    v_pages: jax.Array,  # [P, R, K, H]
+    k_pages: jax.Array | QuantizedPages,  # [P, R, K, H]
+    v_pages: jax.Array | QuantizedPages,  # [P, R, K, H]
     kv_lens: jax.Array,  # [S] int32
     page_indices: jax.Array,  # [S, M] int32
     cu_q_lens: jax.Array,  # [S+1] int32

@@ -17,6 +17,10 @@ Blocking (see docs/KERNELS.md for the reasoning):
   matmul per kv head serves them all and each page is read once for all heads.
 * Quantized KV (int8 / fp8): pages are converted to the query dtype in VMEM; `k_scale` folds into
   the softmax scale and `v_scale` into the final normalisation, both exact for scalar scales.
+  `QuantizedPages` (a scale per token and KV head) bring their scales `[R]` per (page, head) with one
+  more DMA per page beside the values; a key's scale multiplies its logit column and a value's scale
+  its probability column before P @ V (sum_j p_j (s_j v_j) = sum_j (p_j s_j) v_j), so the [Bk, H] block
+  is never scaled element by element, and int8 / e4m3 codes convert to bf16 exactly.
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from pallas_kernels.ragged_paged_attention.reference import split_pages
 
 _MASK_VALUE = -1e30
 DEFAULT_BLOCK_Q = 16
@@ -67,10 +73,12 @@ def _page_copies(pages_hbm, buf, sem, page_table, seq, kv_block, slot, *, pages_
     return copies
 
 
-def _online_softmax_step(logits, mask, v, m_ref, l_ref, acc_ref, head):
+def _online_softmax_step(logits, mask, v, m_ref, l_ref, acc_ref, head, v_cols=None):
     """Folds one kv block into the running (max, sum, acc) of one kv head's rows.
 
     logits/mask [Rows, Bk], v [Bk, H]; refs indexed by kv head: m/l [K, Rows, 1], acc [K, Rows, H].
+    v_cols [1, Bk]: per-token scales of quantized values, applied to p's columns for P @ V only (the
+    softmax sum l stays over the unscaled probabilities).
     """
     m_prev = m_ref[head]  # [Rows, 1]
     m_new = jnp.maximum(m_prev, jnp.where(mask, logits, _MASK_VALUE).max(axis=-1, keepdims=True))
@@ -78,7 +86,8 @@ def _online_softmax_step(logits, mask, v, m_ref, l_ref, acc_ref, head):
     p = jnp.where(mask, jnp.exp(logits - m_new), 0.0)  # [Rows, Bk]
     alpha = jnp.exp(m_prev - m_new)  # [Rows, 1]
     l_ref[head] = alpha * l_ref[head] + p.sum(axis=-1, keepdims=True)
-    pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [Rows, H]
+    pv_p = p if v_cols is None else p * v_cols  # [Rows, Bk]
+    pv = jnp.dot(pv_p.astype(v.dtype), v, preferred_element_type=jnp.float32)  # [Rows, H]
     acc_ref[head] = alpha * acc_ref[head] + pv
     m_ref[head] = m_new
 
@@ -94,16 +103,44 @@ def _row_positions(block_start, seq_q_start, seq_q_end, seq_kv_len, rows, group)
     return pos, in_seq
 
 
-def _attention_kernel(
+def _unpack_refs(refs, quantized):
+    """The kernel's refs by name; quantized pages add their scale arrays and buffers."""
+    (kv_lens, page_table, cu_q_lens, seq_first, seq_end, q, k_hbm, v_hbm), rest = refs[:8], refs[8:]
+    ks_hbm = vs_hbm = ks_buf = vs_buf = None
+    if quantized:
+        (ks_hbm, vs_hbm), rest = rest[:2], rest[2:]
+    o, k_buf, v_buf, rest = rest[0], rest[1], rest[2], rest[3:]
+    if quantized:
+        (ks_buf, vs_buf), rest = rest[:2], rest[2:]
+    sem, m, l, acc = rest
+    return dict(kv_lens_ref=kv_lens, page_table_ref=page_table, cu_q_lens_ref=cu_q_lens,
+                seq_first_ref=seq_first, seq_end_ref=seq_end, q_ref=q, k_hbm=k_hbm, v_hbm=v_hbm,
+                ks_hbm=ks_hbm, vs_hbm=vs_hbm, o_ref=o, k_buf=k_buf, v_buf=v_buf, ks_buf=ks_buf,
+                vs_buf=vs_buf, sem=sem, m_ref=m, l_ref=l, acc_ref=acc)
+
+
+def _scale_columns(scale_buf, slot, head):
+    """One kv head's per-token scales of a kv block as a row: [2, PPB, K, R] -> [1, PPB*R]."""
+    s = scale_buf[slot][:, head, :]  # [PPB, R]
+    return s.reshape(1, s.shape[0] * s.shape[1])  # [1, Bk], the block's kv order (page, slot)
+
+
+def _attention_kernel(*refs, quantized, **kw):
+    _attention_body(**_unpack_refs(refs, quantized), **kw)
+
+
+def _attention_body(
     # Scalar prefetch (SMEM).
     kv_lens_ref, page_table_ref, cu_q_lens_ref, seq_first_ref, seq_end_ref,
     # Inputs.
     q_ref,  # [Bq, N, H] VMEM block
     k_hbm, v_hbm,  # [P, R, K, H] stay in HBM; pages are DMA'd by hand
+    ks_hbm, vs_hbm,  # [P, K, R] f32 per-token scales of QuantizedPages (None otherwise), in HBM
     # Output.
     o_ref,  # [Bq, N, H]
     # Scratch.
     k_buf, v_buf,  # [2, PPB, R, K, H] double buffer
+    ks_buf, vs_buf,  # [2, PPB, K, R] f32 double buffer of the scales (None for unscaled pages)
     sem,  # DMA semaphores [2]
     m_ref, l_ref,  # [K, Bq*G, 1] f32
     acc_ref,  # [K, Bq*G, H] f32
@@ -122,16 +159,17 @@ def _attention_kernel(
     copies = functools.partial(_page_copies, page_table=page_table_ref,
                                pages_per_block=pages_per_block, max_pages=max_pages)
 
+    pairs = [(k_hbm, k_buf), (v_hbm, v_buf)] + ([(ks_hbm, ks_buf), (vs_hbm, vs_buf)] if ks_hbm is not None else [])
+
+    def block_copies(seq, kv_block, slot):
+        return [c for src, dst in pairs for c in copies(src, dst, sem, seq=seq, kv_block=kv_block, slot=slot)]
+
     def start_block(seq, kv_block, slot):
-        for c in copies(k_hbm, k_buf, sem, seq=seq, kv_block=kv_block, slot=slot):
-            c.start()
-        for c in copies(v_hbm, v_buf, sem, seq=seq, kv_block=kv_block, slot=slot):
+        for c in block_copies(seq, kv_block, slot):
             c.start()
 
     def wait_block(seq, kv_block, slot):
-        for c in copies(k_hbm, k_buf, sem, seq=seq, kv_block=kv_block, slot=slot):
-            c.wait()
-        for c in copies(v_hbm, v_buf, sem, seq=seq, kv_block=kv_block, slot=slot):
+        for c in block_copies(seq, kv_block, slot):
             c.wait()
 
     def attend_kv_block(kv_block, slot, pos, in_seq, kv_len):
@@ -146,9 +184,13 @@ def _attention_kernel(
             logits = jax.lax.dot_general(
                 q, k_all[:, head, :], (((1,), (1,)), ((), ())),
                 preferred_element_type=jnp.float32) * sm_scale  # [Rows, Bk]
+            v_cols = None
+            if ks_buf is not None:  # per-token scales: keys' on the logit columns, values' on p's
+                logits = logits * _scale_columns(ks_buf, slot, head)
+                v_cols = _scale_columns(vs_buf, slot, head)
             if soft_cap is not None:
                 logits = soft_cap * jnp.tanh(logits / soft_cap)
-            _online_softmax_step(logits, mask, v_all[:, head, :], m_ref, l_ref, acc_ref, head)
+            _online_softmax_step(logits, mask, v_all[:, head, :], m_ref, l_ref, acc_ref, head, v_cols)
 
     def attend_sequence(seq, carry):
         q_start, q_end, kv_len = cu_q_lens_ref[seq], cu_q_lens_ref[seq + 1], kv_lens_ref[seq]
@@ -198,8 +240,8 @@ def _pad_tokens(q: jax.Array, block_q: int) -> jax.Array:
     "interpret"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
-    k_pages: jax.Array,  # [P, R, K, H]
-    v_pages: jax.Array,  # [P, R, K, H]
+    k_pages: jax.Array,  # [P, R, K, H] or QuantizedPages (values [P, R, K, H], scales [P, K, R])
+    v_pages: jax.Array,  # [P, R, K, H] or QuantizedPages
     kv_lens: jax.Array,  # [S] int32
     page_indices: jax.Array,  # [S, M] int32
     cu_q_lens: jax.Array,  # [S+1] int32
@@ -216,6 +258,8 @@ def ragged_paged_attention(
 ) -> jax.Array:
     """Pallas TPU ragged paged attention with the reference's semantics; returns [T, N, H]."""
     num_tokens, num_heads, head_dim = q.shape
+    (k_pages, k_scales), (v_pages, v_scales) = split_pages(k_pages), split_pages(v_pages)
+    quantized = k_scales is not None
     _, page_size, kv_heads, _ = k_pages.shape
     num_seqs_max, max_pages = page_indices.shape
     group = num_heads // kv_heads
@@ -229,16 +273,18 @@ def ragged_paged_attention(
         _attention_kernel, sm_scale=sm_scale * (1.0 if k_scale is None else k_scale),
         sliding_window=sliding_window, soft_cap=soft_cap,
         v_scale=1.0 if v_scale is None else v_scale, pages_per_block=pages_per_block,
-        max_pages=max_pages)
+        max_pages=max_pages, quantized=quantized)
     q_spec = pl.BlockSpec((block_q, num_heads, head_dim), lambda i, *_: (i, 0, 0))
     kv_buf = pltpu.VMEM((2, pages_per_block, page_size, kv_heads, head_dim), k_pages.dtype)
+    in_hbm = 4 if quantized else 2  # k, v [, k scales, v scales]: stay in HBM, copied by hand
+    scale_buf = [pltpu.VMEM((2, pages_per_block, kv_heads, page_size), jnp.float32)] * 2 if quantized else []
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=5,
         grid=(num_blocks,),
-        in_specs=[q_spec, pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+        in_specs=[q_spec] + [pl.BlockSpec(memory_space=pl.ANY)] * in_hbm,
         out_specs=q_spec,
         scratch_shapes=[
-            kv_buf, kv_buf, pltpu.SemaphoreType.DMA((2,)),
+            kv_buf, kv_buf, *scale_buf, pltpu.SemaphoreType.DMA((2,)),
             pltpu.VMEM((kv_heads, block_q * group, 1), jnp.float32),
             pltpu.VMEM((kv_heads, block_q * group, 1), jnp.float32),
             pltpu.VMEM((kv_heads, block_q * group, head_dim), jnp.float32),
@@ -251,5 +297,6 @@ def ragged_paged_attention(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("arbitrary",)),
         interpret=interpret,
     )(kv_lens.astype(jnp.int32), page_indices.reshape(num_seqs_max * max_pages).astype(jnp.int32),
-      cu_q_lens.astype(jnp.int32), seq_first, seq_end, q_padded, k_pages, v_pages)
+      cu_q_lens.astype(jnp.int32), seq_first, seq_end, q_padded, k_pages, v_pages,
+      *((k_scales, v_scales) if quantized else ()))
     return out[:num_tokens]

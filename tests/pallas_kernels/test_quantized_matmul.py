@@ -7,12 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.quantized_matmul import (dequantize_weights, quantize_weights,
+from pallas_kernels.quantized_matmul import (dequantize_weights, from_codes, quantize_weights,
                                              quantized_matmul, resolve_impl)
 from pallas_kernels.quantized_matmul.reference import pack_int4, unpack_int4
 
 # (M, K, N, bits, group_size, fp8): odd M, K off the 128 grid, N off the 512/256 blocks,
-# per-channel and grouped scales, K spanning several blocks and several groups per block.
+# per-channel and grouped scales, K spanning several blocks and several groups per block, the GGUF
+# block sizes (16, 32) with K = 576 (SmolLM2's width, no 128 multiple), zero points and W8A8.
 SHAPES = {
     "int8_odd_m_ragged_k": (5, 300, 256, 8, None, False),
     "int8_groups_many_k_blocks": (3, 2304, 384, 8, 256, False),
@@ -20,7 +21,18 @@ SHAPES = {
     "int4_per_channel_m1": (1, 256, 128, 4, None, False),
     "int4_g384_n_unaligned": (2, 1000, 200, 4, 384, False),
     "fp8_per_channel": (9, 384, 640, 8, None, True),
+    "int8_g32_k576": (3, 576, 384, 8, 32, False),
+    "int8_g16": (2, 512, 128, 8, 16, False),
+    "int4_g32_zero_point_k576": (4, 576, 256, 4, 32, "zp"),
+    "int4_g64": (1, 640, 128, 4, 64, False),
+    "fp8_w8a8": (6, 384, 256, 8, None, "w8a8"),
 }
+
+
+def _quantize(w, bits, group, mode):
+    """mode: False, True (fp8 weight-only), "zp" (zero points) or "w8a8" (fp8 weights and activations)."""
+    return quantize_weights(w, bits=bits, group_size=group, fp8=mode in (True, "w8a8"), zero_point=mode == "zp",
+                            w8a8=mode == "w8a8")
 
 
 def _inputs(rng, m, k, n, dtype):
@@ -39,23 +51,24 @@ def _exact(x, w):
     return np.asarray(x.astype(jnp.float32), np.float64) @ np.asarray(w, np.float64)
 
 
-def _error_bound(x, w, wq, fp8: bool):
+def _error_bound(x, w, wq, fp8):
     """Elementwise worst case of |x @ (w_q - w)|: half a quantization step per weight (int), or
-    half an e4m3 ulp (2^-4 relative) per weight (fp8); [M, N]."""
+    half an e4m3 ulp (2^-4 relative) per weight (fp8; W8A8 adds the same per activation); [M, N]."""
     xa = np.abs(np.asarray(x.astype(jnp.float32), np.float64))
     if fp8:
-        return xa @ (np.abs(np.asarray(w, np.float64)) * 2.0 ** -4) + 1e-6
+        wa = np.abs(np.asarray(w, np.float64))
+        return xa @ (wa * (2.0 ** -4 if fp8 is True else 2 * 2.0 ** -4 + 2.0 ** -8)) + 1e-6
     k = w.shape[0]
     scales = np.asarray(wq.scales, np.float64)  # [G, N]
     step = np.repeat(scales, wq.group_size, axis=0)[:k]  # [K, N]
-    return xa @ (step / 2) + 1e-6
+    return xa @ (step / 2 * 1.0001) + 1e-6
 
 
 @pytest.mark.parametrize("name", list(SHAPES))
 def test_tpu_kernel_matches_reference(rng, name):
     m, k, n, bits, group, fp8 = SHAPES[name]
     x, w = _inputs(rng, m, k, n, jnp.float32)
-    wq = quantize_weights(w, bits=bits, group_size=group, fp8=fp8)
+    wq = _quantize(w, bits, group, fp8)
     want = quantized_matmul(x, wq, impl="reference")
     got = quantized_matmul(x, wq, impl="tpu", interpret=True)
     assert got.shape == (m, n) and got.dtype == x.dtype
@@ -74,36 +87,54 @@ def test_tpu_kernel_bf16_activations_match_reference(rng):
 def test_reference_within_quantization_error(rng, name):
     m, k, n, bits, group, fp8 = SHAPES[name]
     x, w = _inputs(rng, m, k, n, jnp.float32)
-    wq = quantize_weights(w, bits=bits, group_size=group, fp8=fp8)
+    wq = _quantize(w, bits, group, fp8)
     got = np.asarray(quantized_matmul(x, wq, impl="reference"), np.float64)
     exact = _exact(x, w)
     assert np.all(np.abs(got - exact) <= _error_bound(x, w, wq, fp8))
-    # Typical (not worst-case) error for Gaussian weights: int8 ~0.7%, fp8 ~3%, int4 ~11%.
-    assert _rel(got, exact) < {8: 0.05 if fp8 else 0.015, 4: 0.16}[bits]
+    # Typical (not worst-case) error for Gaussian weights: int8 ~0.7%, fp8 ~3% (W8A8 ~4%), int4 ~11%
+    # (zero points over groups of 32: ~8%).
+    assert _rel(got, exact) < {8: 0.06 if fp8 else 0.015, 4: 0.16}[bits]
 
 
-def test_int4_packing_roundtrips(rng):
+@pytest.mark.parametrize("pack", [32, 64, 128])
+def test_int4_packing_roundtrips(rng, pack):
     q = jnp.asarray(rng.integers(-8, 8, size=(16, 384)), jnp.int8)
-    packed = pack_int4(q)
+    packed = pack_int4(q, pack)
     assert packed.shape == (16, 192) and packed.dtype == jnp.uint8
-    np.testing.assert_array_equal(unpack_int4(packed), q)
+    np.testing.assert_array_equal(unpack_int4(packed, pack), q)
+    # Byte j of a chunk holds element j (low nibble) and j + pack / 2 (high nibble), stored as q + 8.
+    np.testing.assert_array_equal(np.asarray(packed[:, 0]) & 0xF, np.asarray(q[:, 0]) + 8)
+    np.testing.assert_array_equal(np.asarray(packed[:, 0]) >> 4, np.asarray(q[:, pack // 2]) + 8)
+
+
+def test_from_codes_is_exact_with_zero_points(rng):
+    """GGUF repacks build weights from codes, scales and minimums: dequantize gives exactly q*s + z."""
+    q = rng.integers(-8, 8, size=(64, 256)).astype(np.int8)
+    scales = rng.random((8, 64)).astype(np.float32)
+    zeros = rng.standard_normal((8, 64)).astype(np.float32)
+    wq = from_codes(jnp.asarray(q), jnp.asarray(scales), jnp.asarray(zeros), bits=4, group_size=32, in_features=256)
+    assert wq.pack == 64 and wq.values.shape == (64, 128)
+    want = q.reshape(64, 8, 32) * scales.T[:, :, None] + zeros.T[:, :, None]
+    np.testing.assert_array_equal(np.asarray(dequantize_weights(wq)).T, want.reshape(64, 256))
 
 
 def test_quantized_weights_are_a_pytree_and_dequantize_pads_k(rng):
     _, w = _inputs(rng, 1, 300, 128, jnp.float32)
     wq = quantize_weights(w, bits=8)
     leaves = jax.tree_util.tree_leaves(wq)
-    assert len(leaves) == 2
+    assert len(leaves) == 2  # values, scales; zeros is None
     doubled = jax.tree_util.tree_map(lambda a: a, wq)
-    assert doubled.in_features == 300 and doubled.padded_in_features == 384
+    assert doubled.in_features == 300 and doubled.padded_in_features == 320  # K to a multiple of 32
     deq = dequantize_weights(wq)
-    assert deq.shape == (384, 128) and not np.any(np.asarray(deq[300:]))
+    assert deq.shape == (320, 128) and not np.any(np.asarray(deq[300:]))
 
 
 @pytest.mark.parametrize("kwargs, match", [
     (dict(bits=3), "bits must be 8 or 4"),
     (dict(bits=4, group_size=100), "multiple of 128"),
+    (dict(bits=4, group_size=16), "32, 64 or a positive multiple of 128 for 4-bit"),
     (dict(bits=8, group_size=128, fp8=True), "fp8 weights"),
+    (dict(bits=8, w8a8=True), "w8a8"),
 ])
 def test_bad_quantization_arguments_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):
@@ -118,15 +149,72 @@ def test_auto_impl_and_shape_errors():
         quantized_matmul(jnp.ones((2, 200)), wq, impl="reference")
 
 
-@pytest.mark.parametrize("bits", [4, 8])
-@pytest.mark.parametrize("k", [640, 4096, 14336])
-def test_kernel_step_fits_shared_memory_and_divides_k(bits, k):
+@pytest.mark.parametrize("bits, group", [(4, 128), (8, None), (4, 32), (8, 32), (8, 16)])
+@pytest.mark.parametrize("k", [576, 640, 4096, 14336])
+def test_kernel_step_fits_shared_memory_and_divides_k(bits, group, k):
     from pallas_kernels.quantized_matmul import gpu
 
+    wq = quantize_weights(jnp.ones((k, 64)), bits=bits, group_size=group)
     for m in (1, 8, 16, 32, 64, 128):
-        tile_k = gpu.step_k(bits, k + (-k) % 128, m)
-        assert (k + (-k) % 128) % tile_k == 0 and tile_k >= 128
-        assert gpu._smem_bytes(bits, m, tile_k) <= gpu._SMEM_BUDGET, (m, tile_k)
+        tile_k = gpu.step_k(wq, m)
+        assert wq.padded_in_features % tile_k == 0 and tile_k >= 32
+        assert gpu.smem_bytes(wq, m, tile_k) <= gpu._SMEM_BUDGET, (m, tile_k)
+
+
+# GPU kernel cases (M, K, N, bits, group, mode): every piece layout (8-bit per channel and groups
+# of 16 / 32, int4 packing chunks of 64 and 128 with groups of 32 / 64 / 128 and per channel), zero
+# points, W8A8 on both paths, K = 576 (no multiple of 128).
+GPU_CASES = {
+    "int8_pc_k320": (5, 320, 128, 8, None, False),
+    "int8_g32_k576": (3, 576, 128, 8, 32, False),
+    "int8_g16": (2, 512, 64, 8, 16, False),
+    "int4_g32_zp_k576": (3, 576, 128, 4, 32, "zp"),
+    "int4_g64": (1, 640, 64, 4, 64, False),
+    "int4_g128": (7, 512, 128, 4, 128, False),
+    "int4_pc": (1, 256, 128, 4, None, False),
+    "fp8_weight_only": (4, 256, 128, 8, None, True),
+    "w8a8_cols": (5, 256, 128, 8, None, "w8a8"),
+    "w8a8_rows": (130, 256, 256, 8, None, "w8a8"),
+}
+
+
+@pytest.mark.parametrize("name", ["int8_g32_k576", "int8_g16", "int4_g32_zp_k576", "int4_pc", "w8a8_cols",
+                                  "w8a8_rows"])
+def test_gpu_kernel_in_interpret_mode_matches_reference(rng, name):
+    """The Mosaic GPU kernels run by Pallas' GPU interpreter on CPU (dequantized pieces staged through
+    SMEM, the interpreter's wgmma reads only SMEM operands)."""
+    m, k, n, bits, group, mode = GPU_CASES[name]
+    x, w = _inputs(rng, m, k, n, jnp.bfloat16)
+    wq = _quantize(w, bits, group, mode)
+    got = quantized_matmul(x, wq, impl="gpu", interpret=True)
+    assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+    assert _rel(got, quantized_matmul(x, wq, impl="reference").astype(jnp.float32)) < 1e-2
+
+
+def _has_mosaic_gpu_bindings() -> bool:
+    try:
+        import jax._src.lib.mosaic_gpu  # noqa: F401
+        from jax._src.lib import mosaic_gpu_dialect  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _has_mosaic_gpu_bindings(),
+                    reason="needs the Mosaic GPU bindings (jax-cuda13-plugin) to lower for CUDA")
+@pytest.mark.parametrize("name", [*GPU_CASES, "llama_up_int4", "llama_down_int8", "w8a8_prefill"])
+def test_gpu_kernel_lowers_for_cuda(name):
+    """Mosaic GPU's Python passes (layout inference, wgmma operand and swizzle checks, TMA boxes,
+    SMEM limits) run when lowering for CUDA, so this checks a kernel without a GPU (see
+    test_ragged_paged_attention.test_gpu_kernel_lowers_for_cuda for the bindings)."""
+    shapes = {"llama_up_int4": (1, 4096, 14336, 4, 128, False), "llama_down_int8": (64, 14336, 4096, 8, None, False),
+              "w8a8_prefill": (4096, 4096, 14336, 8, None, "w8a8")}
+    m, k, n, bits, group, mode = shapes.get(name) or GPU_CASES[name]
+    wq = jax.eval_shape(lambda w: _quantize(w, bits, group, mode), jax.ShapeDtypeStruct((k, n), jnp.float32))
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    lowered = jax.jit(lambda x, wq: quantized_matmul(x, wq, impl="gpu")).trace(x, wq).lower(
+        lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
 
 
 @pytest.mark.gpu
@@ -135,10 +223,16 @@ def test_kernel_step_fits_shared_memory_and_divides_k(bits, k):
     (64, 4096, 512, 4, 128, False), (5, 640, 256, 4, None, False), (8, 1024, 512, 8, None, True),
     (3, 768, 256, 4, 128, False), (1, 14336, 512, 4, 128, False),  # int4 steps of 2 and 4 chunks
     # Wide M with N = 264 tiles (no split-K): a full 4-stage pipeline of wide activation tiles in SMEM.
-    (64, 4096, 16896, 4, 128, False), (128, 4096, 16896, 8, None, False)])
+    (64, 4096, 16896, 4, 128, False), (128, 4096, 16896, 8, None, False),
+    # GGUF layouts: groups of 16 / 32 / 64, zero points, K = 576.
+    (1, 576, 1536, 8, 32, False), (4, 1536, 576, 8, 16, False), (1, 576, 1536, 4, 32, "zp"),
+    (8, 2048, 640, 4, 64, False),
+    # fp8 W8A8: decode (cols) and prefill (rows, warp-specialized).
+    (1, 4096, 14336, 8, None, "w8a8"), (64, 4096, 1024, 8, None, "w8a8"), (512, 4096, 14336, 8, None, "w8a8"),
+    (300, 1024, 384, 8, None, "w8a8")])
 def test_gpu_kernel_matches_reference(rng, m, k, n, bits, group, fp8):
     x, w = _inputs(rng, m, k, n, jnp.bfloat16)
-    wq = quantize_weights(w, bits=bits, group_size=group, fp8=fp8)
+    wq = _quantize(w, bits, group, fp8)
     got = quantized_matmul(x, wq, impl="gpu")
     want = quantized_matmul(x, wq, impl="reference")
     assert got.dtype == jnp.bfloat16

@@ -507,3 +507,40 @@ def test_gpu_auto_falls_back_to_the_reference_instead_of_raising(rng, case):
     want = reference.ragged_paged_attention(*batch.args(), **kwargs)
     real = batch.num_real_tokens
     assert relative_error(out[:real], want[:real].astype(jnp.float32)) < 1e-5
+
+
+def _quantized_batch(rng, kv_dtype, **shape):
+    """A float batch whose K/V are then stored as QuantizedPages (a scale per token and head), with
+    scales spread over two orders of magnitude so a kernel that drops or misplaces one shows."""
+    batch = make_paged_batch(rng, ((4, 20), (1, 9), (9, 32), (1, 1)), **shape)
+
+    def quantize(pages):
+        spread = jnp.asarray(10.0 ** rng.uniform(-1, 1, pages.shape[:3] + (1,)), jnp.float32)  # [P, R, K, 1]
+        values, scales = reference.quantize_kv((pages.astype(jnp.float32) * spread).reshape(
+            -1, *pages.shape[2:]), kv_dtype)  # [P*R, K, H], [P*R, K]
+        p, r, k, _ = pages.shape
+        return reference.QuantizedPages(values.reshape(pages.shape),
+                                        scales.reshape(p, r, k).transpose(0, 2, 1))  # scales [P, K, R]
+
+    return dataclasses.replace(batch, k_pages=quantize(batch.k_pages), v_pages=quantize(batch.v_pages))
+
+
+@pytest.mark.parametrize("kv_dtype,q_dtype", [(jnp.int8, jnp.float32), (jnp.float8_e4m3fn, jnp.bfloat16)])
+def test_tpu_kernel_dequantizes_quantized_pages_in_vmem(rng, kv_dtype, q_dtype):
+    """int8 / fp8 pages with per-token scales: the TPU kernel (interpreted) equals the reference, which
+    dequantizes the whole block in jnp, and the reference equals attention over the dequantized pages."""
+    from pallas_kernels.ragged_paged_attention import tpu
+    batch = _quantized_batch(rng, kv_dtype, num_heads=8, kv_heads=2, head_dim=64, page_size=8, max_pages=5,
+                             dtype=q_dtype, pad_tokens=2)
+    kwargs = dict(sm_scale=0.125, soft_cap=20.0)
+    out = tpu.ragged_paged_attention(*batch.args(), **kwargs, block_q=4, pages_per_block=2, interpret=True)
+    want = reference.ragged_paged_attention(*batch.args(), **kwargs)
+    real = batch.num_real_tokens
+    tol = 1e-2 if q_dtype == jnp.bfloat16 else 1e-5
+    assert relative_error(out[:real], want[:real].astype(jnp.float32)) < tol
+    dequant = dataclasses.replace(batch, k_pages=_dequantized(batch.k_pages), v_pages=_dequantized(batch.v_pages))
+    assert relative_error(want[:real], naive_attention(dequant, **kwargs)) < tol
+
+
+def _dequantized(pages):
+    return reference.dequantize_pages(pages.values, None, pages.scales)  # [P, R, K, H] f32

@@ -1,0 +1,185 @@
+"""Quantized weights and KV on CPU: tensor-parallel (shard_map) == unsharded, bad input refused by name before
+anything loads, and the fields through the CLI and batch YAML. Real-model accuracy: test_quantization_accuracy.py;
+collectives: test_collectives.py."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer import LLM, quantization
+from jaxinfer.checkpoint import CheckpointError
+from jaxinfer.config import ConfigError
+from jaxinfer.config import MeshConfig
+from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.errors import InvalidInput
+from jaxinfer.kv_cache import allocate_kv_cache, kv_storage
+from jaxinfer.linear import Linear
+from jaxinfer.models import LLAMA, with_linear
+from jaxinfer.params import init_params
+from jaxinfer.quantization import QuantizationConfig, check_plan, fit_packs, logical_shards, method_plan, quantized_specs
+from jaxinfer.sharding import make_mesh, tensor_parallel_rules
+from model_helpers import tiny_config
+
+PAGE = 4
+
+
+def quantized_runner(cfg, tp: int, method: str, kv_cache_dtype: str = "auto", plan_tp: int = 2,
+                     num_pages: int = 16) -> ModelRunner:
+    """A reference-attention runner over random weights quantized as `method`, split over `tp` devices. The
+    plan is the one for `plan_tp` devices (int4 packing chunks fit the split K), so runners of different tp
+    draw the same random codes with the same meaning."""
+    mesh, rules = make_mesh(MeshConfig(tensor=tp)), tensor_parallel_rules(cfg, tp)
+    specs = LLAMA.param_specs(cfg, jnp.float32)
+    plan_shards = logical_shards(tensor_parallel_rules(cfg, plan_tp), make_mesh(MeshConfig(tensor=plan_tp)))
+    plan = fit_packs(specs, method_plan(specs, QuantizationConfig.parse(method)), plan_shards)
+    check_plan(specs, plan, logical_shards(rules, mesh))
+    weights = init_params(quantized_specs(specs, plan), 0, mesh, rules)
+    kv_dtype, kv_quantized = kv_storage(kv_cache_dtype, jnp.float32)
+    cache = allocate_kv_cache(cfg, num_pages, PAGE, kv_dtype, mesh, rules, quantized=kv_quantized)
+    family = with_linear(LLAMA, Linear(mesh, rules, "reference"))
+    return ModelRunner(family, cfg, weights, cache, mesh, rules, attention_impl="reference")
+
+
+def prompt_then_decode_logits(runner: ModelRunner, ids: list[int]) -> np.ndarray:
+    """Logits of a 9-token prefill and then one decode step over the cache it wrote: [2, V]."""
+    shape = BatchShape(tokens=16, seqs=2, pages_per_seq=4)
+    first = runner.logits(pack([SeqChunk(ids[:9], 0, [1, 2, 3])], shape, PAGE))[0]
+    second = runner.logits(pack([SeqChunk(ids[9:10], 9, [1, 2, 3])], shape, PAGE))[0]
+    return np.stack([np.asarray(first), np.asarray(second)])
+
+
+# method -> (kv_cache_dtype, tolerance): int8 in groups, int4 in groups of 32 (each of 2 devices holds K = 32
+# of the attention output and 64 of the down projection), fp8 W8A8; each with a quantized KV cache, split by
+# head like the values. fp8 quantizes activations per row of each device's K slice, so its sharded result
+# differs by that rounding; the integer formats only by the order of the psum.
+CASES = {"int8:32": ("int8", 1e-5), "int4:32": ("int8", 1e-5), "fp8": ("fp8", 0.05)}
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return tiny_config(hidden_size=64, intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16)
+
+
+@pytest.mark.parametrize("method", CASES)
+def test_tensor_parallel_quantized_model_equals_unsharded(cfg, method: str) -> None:
+    kv, tol = CASES[method]
+    ids = list(np.random.default_rng(1).integers(0, cfg.vocab_size, 10))
+    whole = prompt_then_decode_logits(quantized_runner(cfg, 1, method, kv), ids)
+    split_runner = quantized_runner(cfg, 2, method, kv)
+    wq = split_runner.weights.layers[0].wq  # column-parallel: each device holds half the output rows
+    assert {s.data.shape for s in wq.values.addressable_shards} == {(wq.values.shape[0] // 2, wq.values.shape[1])}
+    split = prompt_then_decode_logits(split_runner, ids)
+    assert np.linalg.norm(split - whole) / np.linalg.norm(whole) < tol
+
+
+# ----------------------------------------------------------------------------- bad input, before loading
+
+
+@pytest.fixture
+def no_loading(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Fails the test if LLM gets as far as loading weights."""
+    def refuse(*_a, **_k):
+        raise AssertionError("weights were loaded before the bad setting was refused")
+
+    monkeypatch.setattr(LLM, "_load_weights", refuse)
+
+
+def test_int4_group_that_does_not_divide_k_names_the_weight_and_format(no_loading: None) -> None:
+    # SmolLM2's FFN K is 1536 = 3 x 512: groups of 512 do not divide its other weights' K = 576.
+    with pytest.raises(InvalidInput, match=r"quantization='int4:512'.*weight layers\.0\.\w+ \(int4 \(groups of 512\), "
+                                           r"K = 576\).*multiple of 512"):
+        LLM("smollm2-135m-instruct", quantization="int4:512", use_tqdm=False)
+
+
+def test_unknown_quantization_method_is_refused_by_name(no_loading: None) -> None:
+    with pytest.raises(InvalidInput, match="quantization"):
+        LLM("smollm2-135m-instruct", quantization="int3", use_tqdm=False)
+    with pytest.raises(InvalidInput, match="kv_cache_dtype"):
+        LLM("smollm2-135m-instruct", kv_cache_dtype="int4", use_tqdm=False)
+
+
+def _pre_hopper_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """jaxinfer.quantization sees a compute-capability 8.0 GPU (the rest of JAX still the CPU devices)."""
+    device = types.SimpleNamespace(compute_capability="8.0", device_kind="NVIDIA A100-SXM4-80GB")
+    fake = types.SimpleNamespace(default_backend=lambda: "gpu", devices=lambda: [device])
+    monkeypatch.setattr(quantization, "jax", fake)
+
+
+@pytest.mark.parametrize("field,kwargs", [("quantization", dict(quantization="fp8")),
+                                          ("kv_cache_dtype", dict(kv_cache_dtype="fp8"))])
+def test_fp8_on_a_gpu_without_fp8_is_refused_naming_the_device(monkeypatch, no_loading, field, kwargs) -> None:
+    _pre_hopper_gpu(monkeypatch)
+    with pytest.raises(InvalidInput, match=rf"{field}='fp8' needs a GPU of compute capability 9\.0.*A100.*int8"):
+        LLM("smollm2-135m-instruct", use_tqdm=False, **kwargs)
+
+
+def test_gguf_tensor_of_a_type_we_cannot_read_is_named_before_loading(tmp_path: Path) -> None:
+    import dataclasses
+
+    import gguf
+
+    from checkpoint.test_loaders import _tiny_gguf_tensors, _write_gguf
+    from jaxinfer.checkpoint.gguf import GGUFCheckpoint
+
+    ckpt = GGUFCheckpoint(_write_gguf(tmp_path / "q81.gguf", "llama", _tiny_gguf_tensors()))
+    # One tensor's header says Q8_1: a type GGML knows that we neither repack nor dequantize.
+    info = ckpt.tensors["blk.0.ffn_up.weight"]
+    ckpt.tensors["blk.0.ffn_up.weight"] = dataclasses.replace(info, type_code=int(gguf.GGMLQuantizationType.Q8_1))
+    with pytest.raises(CheckpointError, match=r"tensor 'blk\.0\.ffn_up\.weight' is stored as GGML Q8_1, which jaxinfer "
+                                              r"cannot read \(it reads .*Q4_K"):
+        ckpt.quantization_plan(LLAMA.param_specs(ckpt.config, jnp.float32))  # quantization="auto", before loading
+    with pytest.raises(CheckpointError, match="Q8_1"):
+        ckpt.load_weights(LLAMA.param_specs(ckpt.config, jnp.float32), None, None)  # checked before any tensor
+
+
+# ----------------------------------------------------------------------------- the CLI and batch YAML
+
+
+def test_cli_and_batch_yaml_take_the_quantization_fields() -> None:
+    from jaxinfer.batch.job import job_from_dict
+    from jaxinfer.cli import build_parser
+
+    args = build_parser().parse_args(["generate", "--prompt", "x", "--quantization", "int4:64", "--kv-cache-dtype", "fp8"])
+    assert (args.quantization, args.kv_cache_dtype) == ("int4:64", "fp8")
+    assert build_parser().parse_args(["convert", "a.gguf", "out", "--quantization", "int8"]).quantization == "int8"
+    job = {"model": "smollm2-135m-instruct", "input": {"path": "in.jsonl"}, "output": {"path": "out.jsonl"},
+           "engine": {"quantization": "int4:32", "kv_cache_dtype": "int8"}}
+    assert job_from_dict(job, "job.yaml").llm_kwargs["quantization"] == "int4:32"
+    with pytest.raises(ConfigError, match=r"job.yaml: .*engine\.quantization"):
+        job_from_dict({**job, "engine": {"quantization": "int5"}}, "job.yaml")
+
+
+# ----------------------------------------------------------------------------- convert -> restore
+
+
+# An int4 checkpoint keeps the packing chunks it was converted with (fit for the K of each device then): it
+# restores on any mesh whose K split is a multiple of them, else the error names the weight. So int4 restores
+# at tp=1 here, int8 (no packing) at tp=2.
+@pytest.mark.parametrize("method,tp", [("int4", 1), ("int8", 2)])
+def test_convert_writes_a_quantized_checkpoint_that_restores_quantized_with_identical_tokens(
+        tmp_path: Path, smollm2_path: Path, method: str, tp: int) -> None:
+    """`jaxinfer convert --quantization` on a tiny HF Llama; the orbax copy restores into the mesh quantized
+    (no float copy: its plan says how) and greedy tokens equal quantizing the source at load."""
+    from jaxinfer.cli import main
+    from jaxinfer.linear import is_quantized
+    from jaxinfer import SamplingParams
+    from tiny_checkpoint import write_tiny_hf_checkpoint
+
+    src = write_tiny_hf_checkpoint(tmp_path / "hf", smollm2_path)
+    assert main(["convert", str(src), str(tmp_path / "q"), "--dtype", "float32", "--quantization", method]) == 0
+    engine = dict(dtype="float32", max_model_len=64, num_pages=16, max_num_seqs=2, max_num_batched_tokens=32,
+                  warmup=False, use_tqdm=False)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = ["The river rose through the night", "def fibonacci(n):"]
+    want = [o.token_ids for o in LLM(str(src), quantization=method, **engine).generate(prompts, params)]
+    restored = LLM(str(tmp_path / "q"), tensor_parallel_size=tp, **engine)
+    assert restored.quant_plan and is_quantized(restored.weights.layers[0].w_down)
+    assert [o.token_ids for o in restored.generate(prompts, params)] == want
+    with pytest.raises(InvalidInput, match="already quantized"):
+        LLM(str(tmp_path / "q"), quantization="int8", **engine)
