@@ -9,7 +9,8 @@ dir="${1:-serve_wheels}"
 mkdir -p "$dir"
 .venv/bin/python -m pip download -q --dest "$dir" --only-binary=:all: --python-version 3.12 \
   --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-  --platform any fastapi uvicorn sse-starlette prometheus-client llguidance aiohttp
+  --platform manylinux_2_31_x86_64 --platform manylinux_2_34_x86_64 --platform manylinux_2_35_x86_64 \
+  --platform any fastapi uvicorn sse-starlette prometheus-client "llguidance>=1.9" aiohttp
 .venv/bin/python -c "
 from jaxinfer.presets import bundled_checkpoint
 from jaxinfer.tokenizer import load_tokenizer

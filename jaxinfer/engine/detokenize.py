@@ -69,8 +69,15 @@ class IncrementalDetokenizer:
         return "".join(self._chunks)
 
     def push(self, token_id: int) -> str:
-        """Add one generated token; return the newly final text ("" while a character is incomplete)."""
-        (token_id,) = self._tokenizer.check_ids([token_id])
+        """Add one generated token; return the newly final text ("" while a character is incomplete).
+
+        An id past the tokenizer's vocabulary has no text and is passed over like a skipped special token:
+        a model's embedding may be padded beyond its tokenizer (or serve one made for a smaller vocabulary),
+        and one such sample must not cost the request the rest of its output."""
+        try:
+            (token_id,) = self._tokenizer.check_ids([token_id])
+        except ValueError:
+            return ""
         if token_id in self._skipped:
             return ""
         self._ids.append(token_id)
