@@ -293,4 +293,5 @@ def test_both_outcomes_occurred() -> None:
 
 def test_the_suite_covers_every_sampling_field() -> None:
     assert set(FIELDS) - set(PLAUSIBLE) == {"include_stop_str_in_output", "ignore_eos", "detokenize",
-                                            "skip_special_tokens", "spaces_between_special_tokens"}  # booleans
+                                            "skip_special_tokens", "spaces_between_special_tokens",
+                                            "speculative"}  # booleans
