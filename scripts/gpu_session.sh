@@ -39,7 +39,7 @@ for section in "$@"; do
       run kernels 580 python3 -m pytest -q -m gpu --durations=10 -k "not every_group" tests/pallas_kernels \
         tests/engine/test_no_copies.py ;;
     attn_groups)
-      run attn_groups 580 python3 -m pytest -q -m gpu --durations=10 -k every_group tests/pallas_kernels ;;
+      run attn_groups 270 python3 -m pytest -q -m gpu --durations=10 -k every_group tests/pallas_kernels ;;
     heads)
       run heads 400 python3 scripts/bench_kernels.py --sections ceilings,decode,heads --out "$OUT/bench_heads.json" ;;
     gmm)
