@@ -117,6 +117,17 @@ def test_headline_carries_start_defaults_and_cpu_figures(tmp_path):
     assert (head["cpu_ratio_vs_hf_b1"], head["cpu_ratio_vs_hf_b32"]) == (1.7, 2.2)
 
 
+def test_only_separately_measured_figures_are_carried(tmp_path):
+    from jaxinfer.bench.main import carried_figures
+
+    (tmp_path / "a.json").write_text(json.dumps({"warm_start_s": 9.0, "offline_output_tok_s": 1.0, "device": "X"}))
+    (tmp_path / "b.json").write_text(json.dumps({"warm_start_s": 99.0, "cpu_ratio_vs_hf_b1": None,
+                                                 "cpu_ratio_vs_hf_b32": 2.5}))
+    carried = carried_figures([str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert carried == {"warm_start_s": (9.0, str(tmp_path / "a.json")),
+                       "cpu_ratio_vs_hf_b32": (2.5, str(tmp_path / "b.json"))}
+
+
 def test_warm_start_reuses_the_cold_starts_cache_and_page_count(monkeypatch):
     from jaxinfer.bench import children
 

@@ -78,8 +78,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="--device cpu: an interpreter with torch, transformers and gguf for the HF side")
     p.add_argument("--cpu-batches", type=int, nargs="*", default=[1, 32])
     p.add_argument("--carry", nargs="*", default=[], metavar="JSON",
-                   help="earlier results (a --device cpu run, a --start-times run) whose headline keys this run "
-                        "did not measure: carried into its headline, with the file they came from")
+                   help="earlier results (a --device cpu run, a --start-times or --defaults-check run) whose "
+                        "start, defaults and CPU figures this run did not measure: carried into its headline, with their file")
     p.add_argument("--stack-dump-every", type=float, default=0, help="seconds between Python stack dumps (0: off)")
     p.add_argument("--out", default="bench_results/latest.json")
     p.add_argument("--plot", default=None, help="PNG path (default: beside --out); 'none' skips it")
@@ -308,12 +308,18 @@ def _child_sections(args: argparse.Namespace, result: dict[str, Any], workloads:
                                                   "num_prompts": main.num_prompts}}
         result["defaults_run"] = children.run_child("defaults", spec)
         print(json.dumps({"defaults_run": result["defaults_run"]}), flush=True)
-    carried: dict[str, Any] = {}
-    for path in args.carry:
+    result["carried"] = carried_figures(args.carry)
+
+
+def carried_figures(paths: list[str]) -> dict[str, tuple[Any, str]]:
+    """The carriable headline figures (report.CARRIABLE) of earlier results, each with the file it came from;
+    the first file that has a figure wins."""
+    carried: dict[str, tuple[Any, str]] = {}
+    for path in paths:
         for key, value in json.loads(Path(path).read_text()).items():
-            if key in report.headline({}) and key != "command" and value is not None and key not in carried:
+            if key in report.CARRIABLE and value is not None and key not in carried:
                 carried[key] = (value, str(path))
-    result["carried"] = carried
+    return carried
 
 
 class ReplicaView:

@@ -8,6 +8,9 @@ from pathlib import Path
 from typing import Any
 
 HEADLINE_WORKLOAD = "1000/1000"  # the offline-throughput figure: Llama-3-8B shape, 1000 in / 1000 out
+# Headline keys measured by runs of their own (`--device cpu`, `--start-times`, `--defaults-check`), which a
+# run of record may carry in with --carry. Nothing else is carried: a figure of the run itself never is.
+CARRIABLE = ("cold_start_s", "warm_start_s", "defaults_fraction_of_tuned", "cpu_ratio_vs_hf_b1", "cpu_ratio_vs_hf_b32")
 
 
 def headline(result: dict[str, Any]) -> dict[str, Any]:
