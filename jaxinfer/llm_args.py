@@ -25,7 +25,7 @@ from typing import Any
 
 from jaxinfer.errors import InvalidInput, InvalidInputType, Notice
 from jaxinfer.spec_config import ACCEPTED as SPECULATIVE_ACCEPTED, parse_speculative
-from jaxinfer.validation import FieldRule, Limits, is_int, is_real
+from jaxinfer.validation import FieldRule, Limits, Reject, as_int, as_opt_int, is_real
 
 DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16", "float16": "float16",
                "half": "float16"}
@@ -34,50 +34,36 @@ _KV_ALIASES = {"fp8_e4m3": "fp8", "float": "float32", "half": "float16"}
 ATTENTION_IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
 
 
-class _Reject(Exception):
-    pass
-
-
-def _int(v: Any) -> int:
-    if not is_int(v):
-        raise _Reject
-    return int(v)
-
-
-def _opt_int(v: Any) -> int | None:
-    return None if v is None else _int(v)
-
-
 def _opt_real(v: Any) -> float | None:
     if v is None:
         return None
     if not is_real(v):
-        raise _Reject
+        raise Reject
     return float(v)
 
 
 def _bool(v: Any) -> bool:
     if not isinstance(v, bool):
-        raise _Reject
+        raise Reject
     return v
 
 
 def _opt_str(v: Any) -> str | None:
     if v is not None and not isinstance(v, str):
-        raise _Reject
+        raise Reject
     return v
 
 
 def _opt_path(v: Any) -> str | None:
     if v is not None and not isinstance(v, str | Path):
-        raise _Reject
+        raise Reject
     return None if v is None else str(v)
 
 
 def _dtype(v: Any) -> str:
     name = getattr(v, "value", v)  # a DType member
     if not isinstance(name, str):
-        raise _Reject
+        raise Reject
     return name
 
 
@@ -109,30 +95,30 @@ LLM_ARG_RULES: tuple[FieldRule, ...] = (
        _opt_path),
     _r("dtype", "auto", "'auto' (bfloat16 on GPU and TPU, float32 on CPU), 'float32', 'bfloat16' or 'float16' "
        "('float' and 'half' too)", _dtype, lambda v: v == "auto" or v in DTYPE_NAMES),
-    _r("seed", 0, "None or an integer: random weights, and the seeds of requests that set none", _opt_int),
+    _r("seed", 0, "None or an integer: random weights, and the seeds of requests that set none", as_opt_int),
     _r("max_model_len", None, "None (max_position_embeddings, at most 4096) or an integer in "
-       "[2, max_position_embeddings]", _opt_int, lambda v: v is None or v >= 2),
+       "[2, max_position_embeddings]", as_opt_int, lambda v: v is None or v >= 2),
     _r("gpu_memory_utilization", None, "None or a number in (0, 1]: the share of each device's memory the engine "
        "may use, the KV cache getting what the weights leave", _opt_real, _fraction),
     _r("memory_fraction", None, "None (the platform's: 0.85 on GPU/TPU, 0.5 on CPU) or a number in (0, 1]: the "
        "share of memory still free after the "
        "weights that the KV cache takes, when neither num_pages nor gpu_memory_utilization is set", _opt_real,
        _fraction),
-    _r("max_num_seqs", None, "None (the platform's: 256 on GPU/TPU, 16 on CPU) or an integer >= 1", _opt_int,
+    _r("max_num_seqs", None, "None (the platform's: 256 on GPU/TPU, 16 on CPU) or an integer >= 1", as_opt_int,
        lambda v: v is None or v >= 1),
     _r("max_num_batched_tokens", None, "None (the platform's: 4096 on GPU/TPU, 512 on CPU) or an integer >= 1",
-       _opt_int, lambda v: v is None or v >= 1),
-    _r("block_size", None, "None (16) or an integer >= 1: tokens per KV page", _opt_int,
+       as_opt_int, lambda v: v is None or v >= 1),
+    _r("block_size", None, "None (16) or an integer >= 1: tokens per KV page", as_opt_int,
        lambda v: v is None or v >= 1),
-    _r("num_pages", None, "None or an integer >= 2: KV pages, page 0 reserved", _opt_int,
+    _r("num_pages", None, "None or an integer >= 2: KV pages, page 0 reserved", as_opt_int,
        lambda v: v is None or v >= 2),
     _r("enable_prefix_caching", True, "True or False", _bool),
     _r("tensor_parallel_size", 1, "an integer >= 1: devices one replica's heads, MLP and vocabulary split over",
-       _int, lambda v: v >= 1),
-    _r("data_parallel_size", 1, "an integer >= 1: engine replicas, each over its own devices", _int, lambda v: v >= 1),
+       as_int, lambda v: v >= 1),
+    _r("data_parallel_size", 1, "an integer >= 1: engine replicas, each over its own devices", as_int, lambda v: v >= 1),
     _r("expert_parallel_size", 1, "an integer >= 1 dividing the number of experts: devices the MoE experts split "
-       "over", _int, lambda v: v >= 1),
-    _r("sequence_parallel_size", 1, "an integer >= 1: devices each step's tokens split over", _int,
+       "over", as_int, lambda v: v >= 1),
+    _r("sequence_parallel_size", 1, "an integer >= 1: devices each step's tokens split over", as_int,
        lambda v: v >= 1),
     _r("quantization", None, "None or 'auto' (a .gguf model keeps its quantization, other checkpoints stay float), "
        "'none' (dequantize), 'int8', 'int4' or 'fp8' (quantize at load; 'int8:G' / 'int4:G' set the group size G: "
@@ -142,9 +128,9 @@ LLM_ARG_RULES: tuple[FieldRule, ...] = (
        "or 'int8' (quantized, one scale per token and KV head)", _kv_dtype, lambda v: v in KV_CACHE_DTYPES),
     _r("enforce_eager", False, "True or False (no effect: XLA programs are always compiled)", _bool),
     _r("decode_steps_per_call", None, "None (the platform's: 8 on GPU/TPU, 4 on CPU) or an integer >= 1: decode "
-       "iterations per device call", _opt_int, lambda v: v is None or v >= 1),
+       "iterations per device call", as_opt_int, lambda v: v is None or v >= 1),
     _r("overlap_decode", True, "True or False", _bool),
-    _r("compile_threads", None, "None (half the cores) or an integer >= 1", _opt_int, lambda v: v is None or v >= 1),
+    _r("compile_threads", None, "None (half the cores) or an integer >= 1", as_opt_int, lambda v: v is None or v >= 1),
     _r("compilation_cache_dir", "auto", "'auto', None or a directory path", _opt_path),
     _r("attention_impl", "auto", "'auto', 'reference', 'pallas_tpu' or 'pallas_gpu'", _opt_str,
        lambda v: v in ATTENTION_IMPLS),
@@ -274,7 +260,7 @@ def _canonical(key: Any, value: Any, where: str) -> str | None:
 def _checked(rule: FieldRule, value: Any, where: str) -> Any:
     try:
         value = rule.normalize(value)
-    except _Reject:
+    except Reject:
         raise InvalidInputType.of(where, rule.name, value, rule.accepted) from None
     if not rule.check(value, {}, Limits()):
         raise InvalidInput.of(where, rule.name, value, rule.accepted)

@@ -70,7 +70,7 @@ class Limits:
         }
 
 
-class _Reject(Exception):
+class Reject(Exception):
     """A normalizer met a value of the wrong type."""
 
 
@@ -85,25 +85,25 @@ def is_real(v: Any) -> bool:
     return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
 
-def _int(v: Any) -> int:
+def as_int(v: Any) -> int:
     if not is_int(v):
-        raise _Reject
+        raise Reject
     return int(v)
 
 
-def _opt_int(v: Any) -> int | None:
-    return None if v is None else _int(v)
+def as_opt_int(v: Any) -> int | None:
+    return None if v is None else as_int(v)
 
 
 def _real(v: Any) -> float:
     if not is_real(v):
-        raise _Reject
+        raise Reject
     return float(v)
 
 
 def _bool(v: Any) -> bool:
     if not isinstance(v, bool) and type(v).__name__ != "bool_":  # numpy's bool too
-        raise _Reject
+        raise Reject
     return bool(v)
 
 
@@ -117,8 +117,8 @@ def _is_sequence(v: Any) -> bool:
 def token_id_tuple(v: Any) -> tuple[int, ...]:
     """Token ids as a tuple of Python ints; a float, a bool, a string or None inside is a type error."""
     if not _is_sequence(v):
-        raise _Reject
-    return tuple(_int(t) for t in v)
+        raise Reject
+    return tuple(as_int(t) for t in v)
 
 
 def _id_list(v: Any) -> tuple[int, ...]:
@@ -136,7 +136,7 @@ def _strings(v: Any) -> tuple[str, ...]:
     if isinstance(v, str):
         return (v,)
     if not _is_sequence(v) or not all(isinstance(s, str) for s in v):
-        raise _Reject
+        raise Reject
     return tuple(v)
 
 
@@ -145,12 +145,12 @@ def _logit_bias(v: Any) -> dict[int, float] | None:
     if v is None:
         return None
     if not isinstance(v, Mapping):
-        raise _Reject
+        raise Reject
     out: dict[int, float] = {}
     for key, value in v.items():
         if isinstance(key, str) and key.lstrip("-").isdigit():
             key = int(key)
-        out[_int(key)] = _real(value)
+        out[as_int(key)] = _real(value)
     return out
 
 
@@ -159,7 +159,7 @@ def _output_kind(v: Any) -> RequestOutputKind:
         return RequestOutputKind[v.upper()]
     if is_int(v) and int(v) in tuple(RequestOutputKind):
         return RequestOutputKind(int(v))
-    raise _Reject
+    raise Reject
 
 
 def _structured(v: Any) -> Any:
@@ -172,7 +172,7 @@ def _extra_args(v: Any) -> dict[str, Any] | None:
     if v is None:
         return None
     if not isinstance(v, Mapping) or not all(isinstance(k, str) for k in v):
-        raise _Reject
+        raise Reject
     return dict(v)
 
 
@@ -281,11 +281,11 @@ def _rule(name: str, default: Any, accepted: str, normalize: Callable[[Any], Any
 
 
 SAMPLING_RULES: tuple[FieldRule, ...] = (
-    _rule("n", 1, "an integer in [1, {max_n}]", _int, lambda v, p, limits: 1 <= v <= limits.max_n),
-    _rule("max_tokens", 16, "None (up to max_model_len) or an integer >= 1", _opt_int, lambda v: v is None or v >= 1),
-    _rule("min_tokens", 0, "an integer in [0, max_tokens]", _int, _check_min_tokens),
+    _rule("n", 1, "an integer in [1, {max_n}]", as_int, lambda v, p, limits: 1 <= v <= limits.max_n),
+    _rule("max_tokens", 16, "None (up to max_model_len) or an integer >= 1", as_opt_int, lambda v: v is None or v >= 1),
+    _rule("min_tokens", 0, "an integer in [0, max_tokens]", as_int, _check_min_tokens),
     _rule("temperature", 1.0, "a finite number >= 0 (0 is greedy)", _real, lambda v: finite(v) and v >= 0),
-    _rule("top_k", -1, "-1 or 0 (off) or an integer >= 1", _int, lambda v: v >= -1),
+    _rule("top_k", -1, "-1 or 0 (off) or an integer >= 1", as_int, lambda v: v >= -1),
     _rule("top_p", 1.0, "a number in (0, 1]", _real, lambda v: 0 < v <= 1),
     _rule("min_p", 0.0, "a number in [0, 1]", _real, lambda v: 0 <= v <= 1),
     _rule("repetition_penalty", 1.0, "a finite number > 0", _real, lambda v: finite(v) and v > 0),
@@ -295,20 +295,20 @@ SAMPLING_RULES: tuple[FieldRule, ...] = (
           lambda v: abs(v) <= PENALTY_LIMIT),
     _rule("logit_bias", None, "None or a mapping of at most {max_logit_bias} token ids in [0, {vocab_size}) to "
           "numbers in [-{bias_limit}, {bias_limit}]", _logit_bias, _check_bias),
-    _rule("seed", None, "None or an integer (taken modulo 2**64)", _opt_int),
+    _rule("seed", None, "None or an integer (taken modulo 2**64)", as_opt_int),
     _rule("stop", (), "None, a string or a list of non-empty strings (matching stop strings needs "
           "detokenize=True and a tokenizer)", _strings, _check_stop),
     _rule("stop_token_ids", (), "None or a list of token ids in [0, {vocab_size}); with min_tokens > 0, at most "
           "{max_stop_ids} ids together with the EOS ids", _id_list, _check_stop_ids),
     _rule("include_stop_str_in_output", False, "True or False", _bool),
     _rule("ignore_eos", False, "True or False", _bool),
-    _rule("logprobs", None, "None or an integer in [0, {max_logprobs}]", _opt_int, _check_logprobs),
-    _rule("prompt_logprobs", None, "None or an integer in [0, {max_logprobs}]", _opt_int, _check_logprobs),
+    _rule("logprobs", None, "None or an integer in [0, {max_logprobs}]", as_opt_int, _check_logprobs),
+    _rule("prompt_logprobs", None, "None or an integer in [0, {max_logprobs}]", as_opt_int, _check_logprobs),
     _rule("detokenize", True, "True or False", _bool),
     _rule("skip_special_tokens", True, "True or False", _bool),
     _rule("spaces_between_special_tokens", True, "True or False", _bool),
     _rule("truncate_prompt_tokens", None, "None, -1 (keep the last max_model_len - 1 tokens) or an integer in "
-          "[1, {max_model_len})", _opt_int, _check_truncate),
+          "[1, {max_model_len})", as_opt_int, _check_truncate),
     _rule("allowed_token_ids", None, "None or a non-empty list of at most {max_allowed} token ids in "
           "[0, {vocab_size})", _opt_id_list, _check_allowed),
     _rule("bad_words", (), "None or a list of at most {max_bad_words} words, each with a non-space character and at "
@@ -333,7 +333,7 @@ def normalized_sampling_fields(p: Any) -> dict[str, Any]:
         raw = getattr(p, rule.name, rule.default)
         try:
             values[rule.name] = rule.normalize(raw)
-        except _Reject:
+        except Reject:
             raise InvalidInputType.of("SamplingParams.", rule.name, raw, rule.accepted_text(Limits())) from None
     return values
 

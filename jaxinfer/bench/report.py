@@ -151,7 +151,7 @@ def plot(result: dict[str, Any], path: str | Path) -> Path:
 def write(result: dict[str, Any], path: str | Path) -> None:
     """latest.json: the headline keys first, then every section in full."""
     head = headline(result)
-    for key, (value, source) in (result.get("carried") or {}).items():
+    for key, (value, _source) in (result.get("carried") or {}).items():
         if head.get(key) is None:  # what this run measured itself wins
             head[key] = value
     out = {**head, **{k: v for k, v in result.items() if k not in head}}
