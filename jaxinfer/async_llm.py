@@ -228,7 +228,10 @@ class AsyncLLM:
             stream.put_nowait(out)
 
     async def abort_all(self) -> int:
-        """Abort every request the engine holds; returns how many."""
+        """Abort every request the engine holds; returns how many. An engine already shut down holds none
+        (`shutdown` aborted them), so this is 0 then: a server's drain can race the app's own shutdown."""
+        if self._dead is not None or self._stop.is_set():
+            return 0
         rids = await self.run_on_engine(lambda: [r for e in self._engines for r in list(e.requests)])
         for rid in rids:
             await self.abort(rid)

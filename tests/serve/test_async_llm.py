@@ -61,6 +61,7 @@ def test_bad_request_raises_in_caller_and_engine_goes_on(tiny_llm) -> None:
                 pass
         outs = [o async for o in llm.generate("hi", SamplingParams(max_tokens=3, ignore_eos=True))]
         await llm.shutdown()
+        assert await llm.abort_all() == 0  # a server's drain may come after the app shut the engine down
         return err.value, outs
 
     error, outs = _run(main())

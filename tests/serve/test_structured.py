@@ -37,7 +37,8 @@ def test_bitmask_restricts_greedy_and_random_rows_without_recompiling() -> None:
     bitmask[1, 2] = (1 << (70 - 64)) | (1 << (71 - 64))  # row 1: tokens 70 and 71
     params = [SamplingParams(temperature=0.0), SamplingParams(temperature=1.0, seed=3), SamplingParams(), None]
     arrays = SamplingArrays.from_params(params[:3], rows, vocab, token_bitmask=bitmask)
-    fn = jax.jit(sample)
+    # A wrapper of its own: jax.jit(sample) would share its cache with every other test that jits `sample`.
+    fn = jax.jit(lambda lg, a: sample(lg, a))
     out = fn(logits, arrays)
     assert int(out.tokens[0]) == 7 and int(out.tokens[1]) in (70, 71)
     free = SamplingArrays.from_params(params[:3], rows, vocab)
