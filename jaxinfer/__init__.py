@@ -15,6 +15,7 @@ import os
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 from jaxinfer.async_llm import AsyncLLM  # noqa: E402
+from jaxinfer.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence  # noqa: E402
 from jaxinfer.config import SamplingParams  # noqa: E402
 from jaxinfer.errors import ConfigError, InvalidInput, InvalidInputType, Notice  # noqa: E402
 from jaxinfer.inputs import TextPrompt, TokensPrompt  # noqa: E402
@@ -25,5 +26,6 @@ from jaxinfer.validation import RequestOutputKind  # noqa: E402
 __all__ = [
     "LLM", "AsyncLLM", "SamplingParams", "RequestOutputKind", "TextPrompt", "TokensPrompt", "RequestOutput", "CompletionOutput",
     "Logprob", "RequestMetrics", "FinishReason", "InvalidInput", "InvalidInputType", "ConfigError", "Notice",
+    "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence",
 ]
 __version__ = "0.1.0"

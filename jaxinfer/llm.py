@@ -13,6 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxinfer import distributed
+from jaxinfer.beam_search import BeamSearchOutput, BeamSearchParams, run_beam_search
 
 from jaxinfer.chat import HFStyleTokenizer, chat_prompts
 from jaxinfer.checkpoint import open_checkpoint
@@ -340,6 +341,15 @@ class LLM:
             documents=documents,
         )
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def beam_search(self, prompts: Any, params: BeamSearchParams, *, use_tqdm: bool = False,
+                    lora_request: Any = None) -> list[BeamSearchOutput]:
+        """Beam search with HF transformers' semantics (length_penalty, early_stopping), one
+        BeamSearchOutput per prompt with its beams best first (jaxinfer.beam_search says how it runs)."""
+        _no_lora(lora_request)
+        engines = getattr(self.engine, "engines", [self.engine])
+        return run_beam_search(self.engine, engines[0].gate, self.tokenizer, prompts, params,
+                               max_num_seqs=self.engine_config.max_num_seqs, use_tqdm=use_tqdm)
 
     def stream(self, prompts: Any, sampling_params: Any = None) -> Any:
         """Iterate over incremental outputs as the engine produces them (each request's output_kind decides

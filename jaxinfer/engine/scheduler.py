@@ -320,6 +320,9 @@ class Scheduler:
             "total_pages": self.allocator.num_total,
             "num_preemptions": self._num_preemptions,
             "prefix_cache_hit_rate": self.prefix_cache.hit_rate if self.prefix_cache else 0.0,
+            # vLLM's prefix_cache_queries / prefix_cache_hits counters, in tokens
+            "prefix_cache_queried_tokens": self.prefix_cache.queried_tokens if self.prefix_cache else 0,
+            "prefix_cache_hit_tokens": self.prefix_cache.hit_tokens if self.prefix_cache else 0,
         }
 
     # -------------------------------------------------------------------------------------- validation
