@@ -96,6 +96,25 @@ def shapes(args: argparse.Namespace, engine: dict[str, Any], folder: Path) -> di
             "modelled_speedup": bench.modelled_speedup(curve, alphas), "alphas": alphas}
 
 
+def merged(old: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
+    """`old` updated by a later run `new` on the same device: parts `new` measured replace, the cost curve's
+    k values are added (the plain curve keeps the earlier run's points and gains missing batches), and the
+    modelled speedups are recomputed from the merged curve. Both command lines are kept."""
+    if old.get("device") != new["device"]:
+        raise SystemExit(f"--update: {old.get('device')!r} results cannot be merged with {new['device']!r} ones")
+    out = {**old, **{k: v for k, v in new.items() if k != "shapes"}}
+    out["command"] = [*(old["command"] if isinstance(old["command"], list) else [old["command"]]), new["command"]]
+    if "shapes" in new:
+        shapes_out = dict(old.get("shapes") or new["shapes"])
+        curve = {"plain": {**new["shapes"]["seconds_per_step"]["plain"],
+                           **(old.get("shapes") or {}).get("seconds_per_step", {}).get("plain", {})},
+                 "spec": {**(old.get("shapes") or {}).get("seconds_per_step", {}).get("spec", {}),
+                          **new["shapes"]["seconds_per_step"]["spec"]}}
+        shapes_out.update(seconds_per_step=curve, modelled_speedup=bench.modelled_speedup(curve, shapes_out["alphas"]))
+        out["shapes"] = shapes_out
+    return out
+
+
 def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--real-model", default="smollm2-135m-instruct", help="checkpoint path or bundled alias")
@@ -110,6 +129,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--parts", nargs="+", default=["measured", "shapes"], choices=["measured", "shapes"])
     p.add_argument("--smoke", action="store_true", help="tiny random shapes on CPU, a few tokens")
     p.add_argument("--out", type=Path, default=Path("docs/benchmarks/spec.json"))
+    p.add_argument("--update", action="store_true",
+                   help="merge into an existing --out: this run's parts replace, its curve points (k values, or "
+                        "batches of the plain curve not there yet) are added; for runs split over several calls")
     args = p.parse_args(argv)
     if args.smoke:
         args.max_tokens, args.repeats, args.batches, args.ks = 12, 1, [1, 2], [2]
@@ -134,6 +156,8 @@ def main(argv: list[str]) -> dict[str, Any]:
         if "shapes" in args.parts:
             result["shapes"] = shapes(args, engine, folder)
             print(json.dumps(result["shapes"]["seconds_per_step"]), flush=True)
+    if args.update and args.out.is_file():
+        result = merged(json.loads(args.out.read_text()), result)
     if "measured" in result:
         result["passed"] = result["measured"]["passed"]
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -45,3 +45,26 @@ def test_gpu_speedup_on_a_copying_prompt(tmp_path: Path) -> None:
     result = _run(["--parts", "measured", "--real-model", model], tmp_path / "spec.json", 600)
     assert result["measured"]["identical"]
     assert result["measured"]["speedup"] >= result["measured"]["required_speedup"], result["measured"]
+
+
+def test_update_merges_a_run_split_over_two_calls() -> None:
+    """`--update`: the GPU run is split over two device calls (k=2,4 then the real model and k=8); the second
+    adds its k to the first's curve and recomputes the modelled speedups, keeping both command lines."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_spec_script", REPO / "scripts" / "bench_spec.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    alphas = [0.0, 0.8]
+    first = {"command": "a", "device": "H100", "shapes": {
+        "alphas": alphas, "seconds_per_step": {"plain": {"1": 0.01}, "spec": {"2": {"1": 0.012}}}}}
+    second = {"command": "b", "device": "H100", "measured": {"passed": True, "speedup": 2.0},
+              "shapes": {"alphas": alphas, "seconds_per_step": {"plain": {"1": 0.02, "4": 0.011},
+                                                                "spec": {"8": {"1": 0.02, "4": 0.03}}}}}
+    out = script.merged(first, second)
+    assert out["command"] == ["a", "b"] and out["measured"]["speedup"] == 2.0
+    curve = out["shapes"]["seconds_per_step"]
+    assert curve["plain"] == {"1": 0.01, "4": 0.011} and set(curve["spec"]) == {"2", "8"}
+    assert out["shapes"]["modelled_speedup"]["8"]["1"]["0.0"] == pytest.approx(0.01 / 0.02)
+    with pytest.raises(SystemExit, match="cannot be merged"):
+        script.merged({**first, "device": "H200"}, second)
