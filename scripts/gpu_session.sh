@@ -17,9 +17,10 @@
 #   defaults     LLM("llama-3-8b") with no knobs beside the tuned engine on 1000/1000 (defaults_fraction_of_tuned)
 #   record       the run of record (bench_tp1 plus ITL sweep 1/4/8), carrying starts.json and defaults.json
 #   spec_shapes  speculative decoding's verify-step cost curve, Llama-3-8B target + Llama-3.2-1B-shaped draft,
-#                k=2,4 (one call's worth); spec_real adds k=8 and the measured SmolLM2 run to the same JSON
-#   spec_real    needs /tmp/smollm2.gguf (joined from two carried halves, DESIGN.md); the gpu-marked spec test,
-#                then bench_spec --update into docs/benchmarks/spec.json of this tree, copied to $OUT
+#                k=2,4 (one call's worth); spec_k8 adds k=8 and spec_real the measured SmolLM2 run to the same
+#                JSON (bench_spec --update into docs/benchmarks/spec.json of this tree, copied to $OUT)
+#   spec_real    needs /tmp/smollm2.gguf (joined from two carried halves, DESIGN.md) and the gguf wheel
+#   spec_test    the gpu-marked spec test (same needs)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -72,10 +73,14 @@ print(f(llm.describe()))' ;;
       run spec_shapes 560 python3 scripts/bench_spec.py --parts shapes --ks 2 4 --out docs/benchmarks/spec.json
       cp docs/benchmarks/spec.json "$OUT/spec.json" ;;
     spec_real)
-      JAXINFER_SMOLLM2_GGUF=/tmp/smollm2.gguf run spec_test 200 python3 -m pytest -q -m gpu tests/test_bench_spec.py
-      run spec_real 380 python3 scripts/bench_spec.py --parts measured shapes --ks 8 --real-model /tmp/smollm2.gguf \
+      run spec_real 300 python3 scripts/bench_spec.py --parts measured --real-model /tmp/smollm2.gguf \
         --update --out docs/benchmarks/spec.json
       cp docs/benchmarks/spec.json "$OUT/spec.json" ;;
+    spec_k8)
+      run spec_k8 300 python3 scripts/bench_spec.py --parts shapes --ks 8 --update --out docs/benchmarks/spec.json
+      cp docs/benchmarks/spec.json "$OUT/spec.json" ;;
+    spec_test)
+      JAXINFER_SMOLLM2_GGUF=/tmp/smollm2.gguf run spec_test 300 python3 -m pytest -q -m gpu tests/test_bench_spec.py ;;
     *) echo "unknown section $section" ;;
   esac
 done
