@@ -2,13 +2,16 @@
 against the target, loaded once per replica, and given a runner whose cache mirrors the target's pages.
 
 Checked before anything is loaded: the draft's vocabulary must be the target's (a proposal is a token id of
-the target), and its tensor-parallel degree 1 or the target's. Checked once both tokenizers exist: they
+the target), its tensor-parallel degree 1 or the target's, and its quantization (`speculative.quantization`,
+spelled and defaulted as the target's `quantization`: a GGUF draft stays quantized under "auto", "int4" makes
+a float draft 4-bit) one its weights and mesh can take. Checked once both tokenizers exist: they
 encode the same probe text to the same ids and share the EOS ids. On a replica of several devices a degree-1
 draft lives on the replica's first device; its proposals move to the target's devices before verification.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import jax
@@ -16,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from jaxinfer.config import ConfigError, MeshConfig, ModelConfig
-from jaxinfer.errors import InvalidInput
+from jaxinfer.errors import InvalidInput, Notice
 from jaxinfer.kv_cache import allocate_kv_cache, bytes_per_page
 from jaxinfer.models import family_for_config
 from jaxinfer.params import init_params
@@ -57,6 +60,21 @@ class DraftModel:
                                field="speculative.draft_tensor_parallel_size", value=self.tp,
                                accepted="1, or a degree the draft's heads split over") from None
         self.family = family_for_config(self.config)
+        self.quantization = spec.quantization
+        self.plan: Any = None  # set by prepare()
+
+    def prepare(self, replica: Mesh, dtype: Any) -> None:
+        """Resolve and check the draft's quantization plan on a replica's mesh (before any weight is loaded)."""
+        from jaxinfer.quantization import QuantizationError, build_plan
+
+        specs = self.family.param_specs(self.config, dtype)
+        try:
+            self.plan, notes = build_plan(self.quantization, self.checkpoint, specs, self.rules, self.mesh(replica))
+        except QuantizationError as e:
+            raise InvalidInput(f"speculative.quantization={self.quantization!r} for the draft {self.name!r}: {e}",
+                               field="speculative.quantization", value=self.quantization) from None
+        for note in notes:
+            warnings.warn(f"draft model: {note}", Notice, stacklevel=4)
 
     def mesh(self, replica: Mesh) -> Mesh:
         """The draft's mesh inside one target replica's: the same devices, or the first one."""
@@ -65,11 +83,15 @@ class DraftModel:
         return Mesh(np.asarray(replica.devices.flat[:1]).reshape((1,) * replica.devices.ndim), replica.axis_names)
 
     def load(self, replica: Mesh, dtype: Any, seed: int) -> Any:
+        from jaxinfer.quantization import quantized_specs
+
+        if self.plan is None:
+            self.prepare(replica, dtype)
         specs = self.family.param_specs(self.config, dtype)
         mesh = self.mesh(replica)
         if self.checkpoint is None:
-            return init_params(specs, jax.random.key(seed + 1), mesh, self.rules)
-        return self.checkpoint.load_weights(specs, mesh, self.rules)
+            return init_params(quantized_specs(specs, self.plan), jax.random.key(seed + 1), mesh, self.rules)
+        return self.checkpoint.load_weights(specs, mesh, self.rules, plan=self.plan)
 
     def bytes_per_page(self, page_size: int, dtype: Any, replica: Mesh) -> int:
         return bytes_per_page(self.config, page_size, dtype, self.mesh(replica))
@@ -81,7 +103,13 @@ class DraftModel:
 
         mesh = self.mesh(replica)
         cache = allocate_kv_cache(self.config, num_pages, page_size, dtype, mesh, self.rules)
-        return ModelRunner(self.family, self.config, weights, cache, mesh, self.rules, attention_impl=attention_impl,
+        family = self.family
+        if self.plan:  # quantized weights run through the Pallas matmul (in shard_map on this mesh)
+            from jaxinfer.linear import Linear
+            from jaxinfer.models import with_linear
+
+            family = with_linear(family, Linear.for_engine(mesh, self.rules, attention_impl, interpret))
+        return ModelRunner(family, self.config, weights, cache, mesh, self.rules, attention_impl=attention_impl,
                            interpret=interpret)
 
     def check_tokenizer(self, target_tokenizer: Any) -> None:

@@ -34,8 +34,7 @@ from jaxinfer.models import family_for_config, with_linear
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.params import init_params
 from jaxinfer.platform import FIELDS as PLATFORM_FIELDS, announce, fill_defaults
-from jaxinfer.quantization import (QuantizationConfig, QuantizationError, check_plan, check_platform, fit_packs,
-                                   logical_shards, quantized_specs, resolve_plan)
+from jaxinfer.quantization import QuantizationError, build_plan, check_platform, quantized_specs
 from jaxinfer.presets import BUNDLED, bundled_checkpoint, is_alias, load_preset
 from jaxinfer.sharding import make_mesh, mesh_rules
 from jaxinfer.tokenizer import Tokenizer, load_tokenizer
@@ -191,6 +190,8 @@ class LLM:
         self.dtype = JNP_DTYPES[self.engine_config.dtype]
         self.kv_dtype, self.kv_quantized = kv_storage(args.kv_cache_dtype, self.dtype)
         self.quant_plan = self._quantization_plan(checkpoint, args)
+        if self.draft is not None:  # its quantization checked too before any weight is loaded
+            self.draft.prepare(self.replica_meshes[0], self.dtype)
         distributed.check_same_everywhere("the model and engine settings", self.model_config, args)
         self.weights = self._load_weights(checkpoint, args.random_weights, args.seed or 0)
         if checkpoint is None and args.tokenizer is None:
@@ -221,18 +222,14 @@ class LLM:
     def _quantization_plan(self, checkpoint: Any, args: LLMArgs) -> Any:
         """Which weights are quantized and how (jaxinfer.quantization), checked against the model's shapes
         and this mesh before anything is loaded: a bad combination is an InvalidInput naming the weight."""
-        config = QuantizationConfig.parse(args.quantization)
         specs = self.family.param_specs(self.model_config, self.dtype)
         try:
             check_platform(args.kv_cache_dtype, "kv_cache_dtype")
         except QuantizationError as e:
             raise InvalidInput(f"LLM argument {e}", field="kv_cache_dtype", value=args.kv_cache_dtype) from None
         try:
-            check_platform(config.method)
-            plan, notes = resolve_plan(config, None if args.random_weights else checkpoint, specs)
-            shards = logical_shards(self.rules, self.mesh)
-            plan = fit_packs(specs, plan, shards)
-            check_plan(specs, plan, shards)
+            plan, notes = build_plan(args.quantization, None if args.random_weights else checkpoint, specs,
+                                     self.rules, self.mesh)
         except QuantizationError as e:
             message = str(e) if str(e).startswith("quantization=") else f"quantization={args.quantization!r}: {e}"
             raise InvalidInput(f"LLM argument {message}", field="quantization", value=args.quantization) from None

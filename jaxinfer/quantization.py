@@ -457,6 +457,19 @@ def logical_shards(rules: Any, mesh: Any) -> dict[Logical, int]:
     return {axis: math.prod(shape.get(a, 1) for a in flat_axes(mesh_axes)) for axis, mesh_axes in rules.mapping.items()}
 
 
+def build_plan(quantization: str | None, checkpoint: Any, specs: Any, rules: Any, mesh: Any) -> tuple[Plan, list[str]]:
+    """The checked plan for `quantization` (as LLM(...) takes it) of a model on `mesh`: which weights are
+    quantized and how, fitted to the shards each device holds; `checkpoint` None means random weights. Raises
+    QuantizationError (or ValueError for a bad spelling) before anything is loaded; also returns notices."""
+    config = QuantizationConfig.parse(quantization)
+    check_platform(config.method)
+    plan, notes = resolve_plan(config, checkpoint, specs)
+    shards = logical_shards(rules, mesh)
+    plan = fit_packs(specs, plan, shards)
+    check_plan(specs, plan, shards)
+    return plan, notes
+
+
 def check_platform(method: str, what: str = "quantization") -> None:
     """fp8 needs Hopper-class GPUs (fp8 wgmma; e4m3 conversions); elsewhere every method runs (CPU and TPU
     through the reference / the TPU kernels). Raises QuantizationError naming the device."""
@@ -469,7 +482,7 @@ def check_platform(method: str, what: str = "quantization") -> None:
                                 f"{device.device_kind} has {capability}. Use int8 instead.")
 
 
-__all__ = ["check_platform", "fit_packs", "logical_shards", "resolve_plan", "DEFAULT_INT4_GROUPS", "METHODS", "MatrixView", "Plan", "QFormat", "QuantizationConfig",
+__all__ = ["build_plan", "check_platform", "fit_packs", "logical_shards", "resolve_plan", "DEFAULT_INT4_GROUPS", "METHODS", "MatrixView", "Plan", "QFormat", "QuantizationConfig",
            "QuantizationError", "SMALL_GROUPS", "check_plan", "flatten_specs", "is_weight_leaf", "matrix_of",
            "matrix_view", "method_plan", "pack_int4", "plan_from_json", "place_quantized", "plan_to_json", "quantize_host",
            "quantize_matrix", "quantize_params",

@@ -45,6 +45,7 @@ class SpeculativeConfig:
     model: str | None = None  # draft: a path, bundled alias or preset name (random weights with a preset)
     draft_tensor_parallel_size: int | None = None  # draft: 1 or the target's degree (None: the target's)
     draft_sampling: bool = True  # draft: sample proposals at the request's temperature (False: always greedy)
+    quantization: str | None = None  # draft: its weights' quantization, as LLM(quantization=...) (None: auto)
     # No speculation in a step with at least this many running decodes (None: only the cost model decides).
     disable_by_batch_size: int | None = None
 
@@ -54,9 +55,10 @@ class SpeculativeConfig:
 
 
 KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-        "draft_tensor_parallel_size", "draft_sampling", "disable_by_batch_size")
+        "draft_tensor_parallel_size", "draft_sampling", "quantization", "disable_by_batch_size")
 ACCEPTED = ("None, or a mapping with method 'ngram' (num_speculative_tokens, prompt_lookup_min, prompt_lookup_max) "
-            "or 'draft' (model, num_speculative_tokens, draft_tensor_parallel_size, draft_sampling), and optionally "
+            "or 'draft' (model, num_speculative_tokens, draft_tensor_parallel_size, draft_sampling, quantization), and "
+            "optionally "
             "disable_by_batch_size")
 
 
@@ -81,7 +83,7 @@ def parse_speculative(value: Any, where: str = "LLM argument ") -> SpeculativeCo
     common = dict(method=method, num_speculative_tokens=k,
                   disable_by_batch_size=_opt_int_in(value, "disable_by_batch_size", 1, where))
     if method is SpecMethod.NGRAM:
-        _refuse(value, ("model", "draft_tensor_parallel_size", "draft_sampling"), "'ngram'", where)
+        _refuse(value, ("model", "draft_tensor_parallel_size", "draft_sampling", "quantization"), "'ngram'", where)
         high = _int_in(value, "prompt_lookup_max", 4, 1, 64, where)
         low = _int_in(value, "prompt_lookup_min", min(2, high), 1, high, where)
         return SpeculativeConfig(**common, prompt_lookup_min=low, prompt_lookup_max=high)
@@ -94,7 +96,24 @@ def parse_speculative(value: Any, where: str = "LLM argument ") -> SpeculativeCo
     sampling = value.get("draft_sampling", True)
     if not isinstance(sampling, bool):
         raise InvalidInputType.of(where, "speculative.draft_sampling", sampling, "True or False")
-    return SpeculativeConfig(**common, model=str(model), draft_tensor_parallel_size=tp, draft_sampling=sampling)
+    return SpeculativeConfig(**common, model=str(model), draft_tensor_parallel_size=tp, draft_sampling=sampling,
+                             quantization=_quantization(value, where))
+
+
+def _quantization(value: Mapping[str, Any], where: str) -> str | None:
+    """The draft's quantization, spelled as LLM(quantization=...) takes it ("int4:64" too)."""
+    from jaxinfer.quantization import METHODS, QuantizationConfig
+
+    raw = value.get("quantization")
+    if raw is None:
+        return None
+    try:
+        if not isinstance(raw, str):
+            raise ValueError
+        return str(QuantizationConfig.parse(raw))
+    except ValueError:
+        raise InvalidInput.of(where, "speculative.quantization", raw, f"None or one of {', '.join(METHODS)} (int8 "
+                              "and int4 may add ':GROUP', e.g. 'int4:64')") from None
 
 
 def _method(value: Mapping[str, Any], where: str) -> SpecMethod:

@@ -1,6 +1,6 @@
 """Speculative decoding on the real SmolLM2-135M (bundled GGUF, float32, CPU): greedy output with n-gram and
 with draft-model proposals is exactly the HF transformers goldens' (scripts/make_golden.py), unsharded and over
-3 forced CPU devices (tensor parallel 3, the degree SmolLM2's 3 kv heads allow)."""
+3 forced CPU devices (tensor parallel 3, the degree SmolLM2's 3 kv heads allow), with a 4-bit draft."""
 
 from __future__ import annotations
 
@@ -65,11 +65,15 @@ def test_ngram_on_a_copying_prompt_accepts_nearly_everything_with_identical_outp
     assert result["spec_acceptance_rate"] > 0.9, result
 
 
-def test_self_draft_under_tensor_parallel_3_equals_hf(smollm2_golden: dict) -> None:
-    """Target over 3 devices, the model as its own draft on the first of them (draft_tensor_parallel_size=1):
-    the proposals move to the target's devices for verification; unsharded == sharded == HF."""
+def test_quantized_self_draft_under_tensor_parallel_3_equals_hf(smollm2_golden: dict) -> None:
+    """Float target over 3 devices (quantization="none": HF's dequantized weights), the same GGUF as its own
+    draft kept 4-bit (speculative.quantization defaults to "auto") on the first of them
+    (draft_tensor_parallel_size=1): the proposals move to the target's devices for verification; the output is
+    HF's tokens, and the int4 draft agrees with its float target nearly always."""
     spec = {**SELF_DRAFT, "draft_tensor_parallel_size": 1}
-    llm = _always_speculate(LLM("smollm2-135m-instruct", tensor_parallel_size=3, speculative=spec, **KW))
+    llm = _always_speculate(LLM("smollm2-135m-instruct", tensor_parallel_size=3, speculative=spec,
+                                quantization="none", **KW))
     assert len(llm.engine.spec.draft.runner.mesh.devices.flat) == 1
+    assert not llm.quant_plan and llm.draft.plan  # float target, quantized draft
     _check_goldens(llm, smollm2_golden["greedy"])
-    assert llm.engine_stats()["spec_acceptance_rate"] > 0.95  # the target agrees with itself (ties aside)
+    assert llm.engine_stats()["spec_acceptance_rate"] > 0.9

@@ -34,6 +34,11 @@ SHAPE = {"architecture": "llama", "vocab_size": 256, "hidden_size": 32, "interme
     ({"method": "draft", "model": "x", "num_speculative_tokens": 2, "draft_tensor_parallel_size": 0},
      "speculative.draft_tensor_parallel_size"),
     ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 0}, "speculative.disable_by_batch_size"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "quantization": "int8"}, "speculative.quantization"),
+    ({"method": "draft", "model": "x", "num_speculative_tokens": 2, "quantization": "int3"}, "speculative.quantization"),
+    ({"method": "draft", "model": "x", "num_speculative_tokens": 2, "quantization": "fp8:64"},
+     "speculative.quantization"),
+    ({"method": "draft", "model": "x", "num_speculative_tokens": 2, "quantization": 4}, "speculative.quantization"),
     ("ngram", "speculative"),
     ('{"method": "ngram",', "speculative"),
     ('{"method": "ngram", "num_speculative_tokens": 99}', "speculative.num_speculative_tokens"),
@@ -52,6 +57,9 @@ def test_good_mappings() -> None:
     assert cfg.method is SpecMethod.DRAFT and cfg.draft_sampling and cfg.draft_tensor_parallel_size is None
     assert parse_speculative('{"method": "ngram", "num_speculative_tokens": 2}').k == 2  # the CLI's JSON
     assert parse_speculative(None) is None and parse_speculative(cfg) is cfg
+    assert cfg.quantization is None  # the draft's weights as the target's default: auto
+    cfg = parse_speculative({"model": "m", "num_speculative_tokens": 3, "quantization": "int4:64"})
+    assert cfg.quantization == "int4:64"
 
 
 def _yaml(tmp_path: Path, name: str, **over: object) -> str:
@@ -80,3 +88,24 @@ def test_llm_refuses_a_draft_tensor_parallel_degree_other_than_1_or_the_targets(
     with pytest.raises(InvalidInput) as info:
         LLM(_yaml(tmp_path, "target"), random_weights=True, speculative=spec, tensor_parallel_size=2, warmup=False)
     assert info.value.field == "speculative.draft_tensor_parallel_size"
+
+
+def test_llm_refuses_a_draft_quantization_its_weights_cannot_take(tmp_path: Path) -> None:
+    spec = {"method": "draft", "model": _yaml(tmp_path, "draft"), "num_speculative_tokens": 2, "quantization": "int4:128"}
+    with pytest.raises(InvalidInput, match="K must be a multiple of 128") as info:
+        LLM(_yaml(tmp_path, "target"), random_weights=True, speculative=spec, warmup=False)
+    assert info.value.field == "speculative.quantization" and "layers.0.wq" in str(info.value)
+
+
+def test_an_int8_draft_keeps_the_float_targets_greedy_tokens(tmp_path: Path) -> None:
+    from jaxinfer import SamplingParams
+
+    kw = dict(random_weights=True, warmup=False, use_tqdm=False, attention_impl="reference", max_num_seqs=2)
+    params = SamplingParams(max_tokens=8, temperature=0.0)
+    plain = LLM(_yaml(tmp_path, "target"), **kw).generate([[5, 6, 7, 8]], params)[0].token_ids
+    spec = {"method": "draft", "model": _yaml(tmp_path, "draft"), "num_speculative_tokens": 2, "quantization": "int8"}
+    llm = LLM(_yaml(tmp_path, "target"), speculative=spec, **kw)
+    llm.engine.spec.cost.worth = lambda *args: True  # every step speculates
+    assert llm.draft.plan and not llm.quant_plan
+    assert llm.generate([[5, 6, 7, 8]], params)[0].token_ids == plain
+    assert llm.engine_stats()["spec_draft_tokens"] > 0
