@@ -1,0 +1,80 @@
+"""Two checkouts of jaxinfer timed against each other in one lease, through the public `LLM` API only (the
+bench's `prefill` section times one prompt once, and its ShareGPT-like run once, which cannot tell a 3%
+regression from noise). `--workload prefill`: one long prompt, repeated. `--workload sharegpt`: the bench's
+ShareGPT-like lengths (log-normal, medians 150 in / 130 out, sigma 0.9, seed 0; the same formula as
+jaxinfer.bench.workloads, written out here so both checkouts run identical prompts) on the bench's tuned
+engine, repeated.
+
+    # on the GPU machine, the old tree carried as .ab_old (git worktree add .ab_old <commit>):
+    for t in .ab_old . .ab_old .; do PYTHONPATH=$t python3 scripts/ab_prefill.py --label $t >> $OUT/ab.jsonl; done
+
+Prints one JSON line: the label, the jaxinfer path it imported, each repeat's seconds, min and median.
+Every prompt is distinct (random ids), so no prefix-cache hit shortens a repeat.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--label", required=True)
+    p.add_argument("--model", default="llama-3-8b")
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--repeats", type=int, default=8)
+    p.add_argument("--workload", choices=["prefill", "sharegpt"], default="prefill")
+    p.add_argument("--num-prompts", type=int, default=128)
+    args = p.parse_args()
+    if args.workload == "sharegpt":
+        return sharegpt(args)
+
+    import jaxinfer
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM(args.model, random_weights=True, dtype="bfloat16", max_num_seqs=8, max_num_batched_tokens=args.tokens,
+              max_model_len=args.tokens + 64, memory_fraction=0.85, use_tqdm=False)
+    rng = np.random.default_rng(0)
+    vocab = llm.model_config.vocab_size
+    params = SamplingParams(max_tokens=1, temperature=0.0)
+    times = []
+    for i in range(args.repeats + 1):
+        prompt = rng.integers(10, vocab - 10, size=args.tokens).tolist()
+        t = time.perf_counter()
+        llm.generate([prompt], params, use_tqdm=False)
+        if i:  # the first one warms the path
+            times.append(time.perf_counter() - t)
+    print(json.dumps({"label": args.label, "jaxinfer": jaxinfer.__file__, "tokens": args.tokens, "seconds": times,
+                      "min_s": min(times), "median_s": statistics.median(times)}), flush=True)
+
+
+def sharegpt(args: argparse.Namespace) -> None:
+    import jaxinfer
+    from jaxinfer import LLM, SamplingParams
+
+    llm = LLM(args.model, random_weights=True, dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=4096,
+              max_model_len=4112, decode_steps_per_call=8, memory_fraction=0.85, use_tqdm=False)
+    rng = np.random.default_rng(0)
+    inputs = np.clip(rng.lognormal(np.log(150), 0.9, args.num_prompts), 4, 2048).astype(int)
+    outputs = np.clip(rng.lognormal(np.log(130), 0.9, args.num_prompts), 4, 1024).astype(int)
+    params = [SamplingParams(max_tokens=int(o), temperature=0.0, ignore_eos=True) for o in outputs]
+    vocab = llm.model_config.vocab_size
+    tok_s = []
+    for i in range(args.repeats + 1):
+        prompts = [rng.integers(10, vocab - 10, size=int(n)).tolist() for n in inputs]  # fresh ids: no cache hits
+        t = time.perf_counter()
+        llm.generate(prompts, params, use_tqdm=False)
+        if i:
+            tok_s.append(int(outputs.sum()) / (time.perf_counter() - t))
+    print(json.dumps({"label": args.label, "jaxinfer": jaxinfer.__file__, "workload": "sharegpt",
+                      "num_prompts": args.num_prompts, "output_tok_s": tok_s, "median_tok_s": statistics.median(tok_s)}),
+          flush=True)
+
+
+if __name__ == "__main__":
+    main()
