@@ -146,6 +146,7 @@ class Engine:
         self.penalties = jax.device_put(empty, runner.penalty_sharding())
         self._reset_rows = jax.jit(set_rows, donate_argnums=(0,))
         self.gate = Gate(tokenizer, cfg.vocab_size, self.max_model_len, self.eos_ids)
+        self._open_bitmasks: dict[int, Any] = {}  # row bucket -> all-allowed token bitmask on device
         self.requests: dict[str, RequestState] = {}
         self._ids = itertools.count()
         self._rng = np.random.default_rng(seed)  # the seeds of unseeded requests: reproducible per engine seed
@@ -376,16 +377,21 @@ class Engine:
         next_ids, want = self._prompt_next_ids(shape, entries)
         return SampleInputs(sampling, slot_arr, mask, src, dst, next_ids, np.asarray(want))
 
-    def _grammar_bitmask(self, shape: BatchShape, entries: Sequence[ScheduledSeq]) -> np.ndarray | None:
+    def _grammar_bitmask(self, shape: BatchShape, entries: Sequence[ScheduledSeq]) -> Any:
         """Allowed-token bits of the rows that sample under a structured-output grammar, filled by their
-        matchers in parallel (llguidance's threads); None when no row has one (the common case)."""
+        matchers in parallel (llguidance's threads); the cached all-allowed device mask when no row has one
+        (the common case)."""
         rows = []
         for row, e in enumerate(entries):
             matcher = self.requests[e.key[0]].seqs[e.key[1]].matcher if e.sample else None
             if matcher is not None:
                 rows.append((matcher, row))
-        if not rows:
-            return None
+        if not rows:  # one all-allowed mask per row bucket, kept on device: not 4 MB built and sent per call
+            mask = self._open_bitmasks.get(shape.seqs)
+            if mask is None:
+                mask = self._open_bitmasks[shape.seqs] = self.runner.place(
+                    unconstrained_bitmask(shape.seqs, self.vocab_size))
+            return mask
         bitmask = unconstrained_bitmask(shape.seqs, self.vocab_size)
         self.gate.grammars.fill(rows, bitmask)
         return bitmask

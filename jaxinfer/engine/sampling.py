@@ -147,7 +147,7 @@ class SamplingArrays:
         rng: np.random.Generator | None = None,
         bad_words: Sequence[Sequence[Sequence[int]]] | None = None,
         recent: Sequence[Sequence[int]] | None = None,
-        token_bitmask: np.ndarray | None = None,
+        token_bitmask: Any = None,  # host array, or the engine's cached all-allowed device mask
     ) -> SamplingArrays:
         """Host (NumPy) arrays for `params_list` in rows 0..len-1, padded to `num_rows` harmless rows.
 
