@@ -416,6 +416,8 @@ def test_stats_report_the_engine_gauges() -> None:
         "total_pages": 9,
         "num_preemptions": 0,
         "prefix_cache_hit_rate": 0.0,
+        "prefix_cache_queried_tokens": 0,
+        "prefix_cache_hit_tokens": 0,
     }
 
 
