@@ -182,8 +182,7 @@ def candidates_per_step(beam_width: int, num_eos: int) -> int:
 def check_capacity(params: BeamSearchParams, num_eos: int, max_num_seqs: int) -> None:
     """The limits that depend on the engine: every beam of a prompt must fit in one batch, and the K
     candidates per beam must fit the sampler's logprob width."""
-    num_eos = 0 if params.ignore_eos else num_eos
-    factor = max(2, 1 + num_eos)
+    factor = candidates_per_step(1, 0 if params.ignore_eos else num_eos)
     limit = min(max_num_seqs, MAX_LOGPROBS // factor)
     if params.beam_width > limit:
         why = (f"max_num_seqs={max_num_seqs}" if max_num_seqs < MAX_LOGPROBS // factor else
@@ -221,10 +220,11 @@ def run_beam_search(engine: Any, gate: Any, tokenizer: Any, prompts: Any, params
     parsed = parse_prompts(prompts)
     searches = [PromptBeams(params, eos_ids) for _ in parsed]
     k = searches[0].k if searches else 0
+    step = step_params(k)
     admitted = []
     for i, prompt in enumerate(parsed):  # every prompt is checked before any runs
         try:
-            admitted.append(gate.admit(prompt, step_params(k)))
+            admitted.append(gate.admit(prompt, step))
         except InvalidInput as e:
             raise in_batch(e, i, len(parsed)) from None
         room = gate.limits.max_model_len - len(admitted[-1].prompt_token_ids)
@@ -235,8 +235,8 @@ def run_beam_search(engine: Any, gate: Any, tokenizer: Any, prompts: Any, params
                 f"{room}.", field="max_tokens", value=params.max_tokens, accepted=f"at most {room}"), i, len(parsed))
     with tqdm(total=params.max_tokens, desc="beam search", disable=not use_tqdm) as bar:
         while active := [(s, a) for s, a in zip(searches, admitted) if not s.done]:
-            beams = [(s, a.prompt_token_ids + beam.tokens) for s, a in active for beam in s.live]
-            outs = engine.generate([{"prompt_token_ids": ids} for _, ids in beams], step_params(k), use_tqdm=False)
+            beams = [{"prompt_token_ids": a.prompt_token_ids + beam.tokens} for s, a in active for beam in s.live]
+            outs = engine.generate(beams, step, use_tqdm=False)
             tops = [top_candidates(out.outputs[0].logprobs[0], k) for out in outs]
             start = 0
             for s, _ in active:

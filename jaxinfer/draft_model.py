@@ -61,7 +61,7 @@ class DraftModel:
                                accepted="1, or a degree the draft's heads split over") from None
         self.family = family_for_config(self.config)
         self.quantization = spec.quantization
-        self.plan: Any = None  # set by prepare()
+        self.plan: Any = None  # set by prepare(), which LLM calls before load()
 
     def prepare(self, replica: Mesh, dtype: Any) -> None:
         """Resolve and check the draft's quantization plan on a replica's mesh (before any weight is loaded)."""
@@ -85,8 +85,6 @@ class DraftModel:
     def load(self, replica: Mesh, dtype: Any, seed: int) -> Any:
         from jaxinfer.quantization import quantized_specs
 
-        if self.plan is None:
-            self.prepare(replica, dtype)
         specs = self.family.param_specs(self.config, dtype)
         mesh = self.mesh(replica)
         if self.checkpoint is None:
