@@ -21,6 +21,10 @@
 #                JSON (bench_spec --update into docs/benchmarks/spec.json of this tree, copied to $OUT)
 #   spec_real    needs /tmp/smollm2.gguf (joined from two carried halves, DESIGN.md) and the gguf wheel
 #   spec_test    the gpu-marked spec test (same needs)
+#   pipeline_test  the gpu-marked pipelined-step test
+#   structured   structured output's cost through the server and in the engine alone (bench_serve_gpu.py
+#                --structured-only); needs serve_wheels/ from scripts/serve_wheels.sh carried
+#   serve        the whole of bench_serve_gpu.py: structured, then the server against offline (same needs)
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
@@ -79,6 +83,14 @@ print(f(llm.describe()))' ;;
     spec_k8)
       run spec_k8 300 python3 scripts/bench_spec.py --parts shapes --ks 8 --update --out docs/benchmarks/spec.json
       cp docs/benchmarks/spec.json "$OUT/spec.json" ;;
+    pipeline_test)
+      run pipeline_test 400 python3 -m pytest -q -m gpu tests/engine/test_pipeline.py ;;
+    structured|serve)
+      python3 -m pip install -q --no-index --find-links serve_wheels --target /tmp/serve_site fastapi uvicorn \
+        sse-starlette prometheus-client "llguidance>=1.9" aiohttp >"$OUT/serve_pip.log" 2>&1
+      only=(); [ "$section" = structured ] && only=(--structured-only)
+      run "$section" 590 env PYTHONPATH=$PYTHONPATH:/tmp/serve_site python3 scripts/bench_serve_gpu.py \
+        "${only[@]}" --tokenizer serve_wheels/tokenizer --out "$OUT/serve_$section.json" ;;
     spec_test)
       JAXINFER_SMOLLM2_GGUF=/tmp/smollm2.gguf run spec_test 300 python3 -m pytest -q -m gpu tests/test_bench_spec.py ;;
     *) echo "unknown section $section" ;;

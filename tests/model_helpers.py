@@ -107,3 +107,17 @@ def assert_clean(llm: Any) -> None:
     stats = llm.engine_stats()
     assert stats["num_running"] == stats["num_waiting"] == 0 and not llm.engine.requests
     assert stats["free_pages"] == stats["total_pages"] and not llm.has_unfinished()
+
+
+def step_hlo(engine: Any, num_tokens: int) -> str:
+    """Compiled HLO text of one single step of the `num_tokens` bucket: the forward program, then the sampler
+    (two programs since pipelined single steps; a step's collectives are those of both)."""
+    from jaxinfer.engine.runner import ForwardInputs
+
+    runner = engine.runner
+    batch, inputs = engine._step_args(engine.batch_shape(num_tokens), [], [], [])
+    forward = runner._forward_step.lower(runner.weights, runner.kv_cache, *runner.place((batch, ForwardInputs.of(inputs))))
+    logits = runner.example_logits(batch.logits_indices.shape[0])
+    sampler = runner._sample_logits.lower(engine.penalties, logits, *runner.place(
+        (inputs.sampling, inputs.slots, inputs.sample_mask)))
+    return forward.compile().as_text() + "\n" + sampler.compile().as_text()

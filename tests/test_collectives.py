@@ -32,7 +32,7 @@ from jaxinfer.engine.sampling import NUM_CANDIDATES
 from jaxinfer.models import GEMMA3, LLAMA
 from jaxinfer.params import abstract_params
 
-from model_helpers import build_runner, tiny_config
+from model_helpers import build_runner, step_hlo, tiny_config
 from test_quantization import quantized_runner
 from models.test_gemma3 import tiny_config as tiny_gemma_config
 
@@ -63,11 +63,10 @@ def _engine(cfg, tp: int, family, quantization: str | None = None) -> Engine:
 def _compiled_texts(engine: Engine) -> dict[str, tuple[str, int]]:
     """{kind: (compiled HLO text, rows of the activations)} for a prefill step and a decode call."""
     r = engine.runner
-    step_args = (r.weights, r.kv_cache, engine.penalties, *engine._step_args(engine.batch_shape(TOKENS), [], [], []))
     decode = engine.decode_shape(ROWS)
     decode_args = (r.weights, r.kv_cache, engine.penalties, *engine._decode_args(decode, [], [], [], 0))
     return {
-        "prefill": (r._sample_step.lower(*step_args).compile().as_text(), TOKENS),
+        "prefill": (step_hlo(engine, TOKENS), TOKENS),
         "decode": (r._decode_steps.lower(*decode_args, max_steps=4).compile().as_text(), decode.seqs),
     }
 

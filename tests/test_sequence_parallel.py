@@ -12,7 +12,7 @@ import pytest
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.describe import collective_ops
 from jaxinfer.params import abstract_params
-from model_helpers import tiny_config
+from model_helpers import step_hlo, tiny_config
 
 PROMPT_LEN, NEW = 4096, 6
 # No warmup: each engine compiles only the two shapes it runs (1024-token prefill steps, one-token decodes).
@@ -52,8 +52,7 @@ def _check_no_weight_gathers(llm: LLM) -> None:
     weights = {a.shape for a in jax.tree.leaves(abstract_params(llm.family.param_specs(llm.model_config, "float32")))
                if a.ndim > 1}
     engine = llm.engine
-    args = (runner.weights, runner.kv_cache, engine.penalties, *engine._step_args(engine.batch_shape(1024), [], [], []))
-    ops = collective_ops(runner._sample_step.lower(*args).compile().as_text())
+    ops = collective_ops(step_hlo(engine, 1024))
     assert any(op == "all-gather" for op, _ in ops)  # the new keys/values of every device's tokens
     for op, shapes in ops:
         for _, dims in shapes:

@@ -18,7 +18,7 @@ rows of the multi-step call in flight, the engine launches the call that continu
 back. That call takes its input tokens and live-row mask from the device outputs of the one before
 (`MultiStepOutput.next_tokens`, `alive`), so the device runs it while the host replays the previous call.
 Rows the host stops in between run on harmlessly (their writes land in their own or the trash pages, and
-pages freed meanwhile are only handed out to work launched later); `_settled` drops their tokens. A new
+pages freed meanwhile are only handed out to work launched later); `settle` drops their tokens. A new
 request therefore waits at most one more call than without overlap.
 """
 
@@ -47,7 +47,7 @@ if TYPE_CHECKING:
 
 
 @contextlib.contextmanager
-def _prompt_gil_handoff(active: bool) -> Iterator[None]:
+def prompt_gil_handoff(active: bool) -> Iterator[None]:
     """While the host replays tokens (pure Python) beside a call in flight, let the launcher thread take the
     GIL within 0.2 ms instead of Python's default 5 ms switch interval: the call needs it to return and the
     next one to start, and a trace of overlapped decode showed the device idle in 5 ms gaps without this."""
@@ -81,7 +81,7 @@ class DecodeLoop:
         self.steps_per_call = steps_per_call
         self.overlap = overlap
         self.inflight: _InFlight | None = None
-        self._launcher = ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-decode")
+        self.launcher = ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-decode")
         self.num_overlapped_calls = 0  # decode calls launched before the host read the previous one
 
     def iterations(self, plan: StepPlan) -> tuple[StepPlan, int]:
@@ -116,7 +116,7 @@ class DecodeLoop:
     def _apply_decodes(self, plan: StepPlan, out: Any, num_iterations: int) -> dict[str, RequestState]:
         """Replay the call's iterations through the output path, one scheduler update per iteration."""
         touched: dict[str, RequestState] = {}
-        plan, rows = self._settled(plan)
+        plan, rows = self.settle(plan)
         for i in range(num_iterations):
             sampled = SamplerOutput(*(a[i] for a in out.sampled))
             touched.update(self.engine.out.apply(plan, sampled, None, rows))
@@ -124,7 +124,7 @@ class DecodeLoop:
                 plan, rows = self._next_decodes(plan, rows, sampled.tokens, out.valid[i + 1])
         return touched
 
-    def _settled(self, plan: StepPlan) -> tuple[StepPlan, list[int]]:
+    def settle(self, plan: StepPlan) -> tuple[StepPlan, list[int]]:
         """The rows of a call that the host still runs, now that the calls before it are applied.
 
         A call dispatched ahead (overlapped decode) may hold rows the host has since finished (a stop string,
@@ -164,7 +164,7 @@ class DecodeLoop:
         penalties, self.engine.penalties = self.engine.penalties, None
         # Transfer the host arrays here: the launcher thread then needs the GIL only briefly, to enter the call.
         placed = self.engine.runner.place((batch, inputs, decode))
-        launched = self._launcher.submit(
+        launched = self.launcher.submit(
             self.engine.runner.decode_steps, penalties, *placed, max_steps=self.steps_per_call)
         return _InFlight(plan, num_iterations, inputs, decode, launched)
 
@@ -193,7 +193,7 @@ class DecodeLoop:
             return self.engine._device_failed(call.plan, e)
         self.engine.expert_counts += counts
         t = self.engine.times.add("device", t)
-        with _prompt_gil_handoff(self.inflight is not None):
+        with prompt_gil_handoff(self.inflight is not None):
             touched = self._apply_decodes(call.plan, MultiStepOutput(sampled, valid, None, None), call.num_iterations)
             self.engine.num_steps += 1
             outputs = self.engine.out.emit(touched)
@@ -209,7 +209,7 @@ class DecodeLoop:
         layout: input tokens and the rows still generating come from `call`'s device outputs, positions and
         budgets advance by its iteration count, and pages are reserved ahead as for any multi-step call.
         Rows the host has finished since are given budget 0; a row the host stops after this launch (a stop
-        string) runs on and its tokens are dropped when the call is applied (`_settled`).
+        string) runs on and its tokens are dropped when the call is applied (`settle`).
         """
         n, k = self.steps_per_call, call.num_iterations
         if self.engine.spec is not None:  # every step is planned, so each can speculate

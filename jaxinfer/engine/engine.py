@@ -31,8 +31,9 @@ from jaxinfer.engine.decode_loop import DecodeLoop
 from jaxinfer.engine.detokenize import IncrementalDetokenizer
 from jaxinfer.engine.logprobs import TokenTexts
 from jaxinfer.engine.output_path import OutputPath
+from jaxinfer.engine.pipeline import StepPipeline
 from jaxinfer.engine.request import RequestState, SeqOutput
-from jaxinfer.engine.runner import DecodeInputs, ModelRunner, SampleInputs, StepBatch, StepOutput
+from jaxinfer.engine.runner import DecodeInputs, ForwardInputs, ModelRunner, SampleInputs, StepBatch
 from jaxinfer.engine.sampling import (
     PenaltyState,
     SamplingArrays,
@@ -114,6 +115,7 @@ class Engine:
     ) -> None:
         self.runner, self.tokenizer, self.use_tqdm = runner, tokenizer, use_tqdm
         self.loop = DecodeLoop(self, _at_least_one("decode_steps_per_call", decode_steps_per_call), overlap_decode)
+        self.pipeline = StepPipeline(self, overlap_decode)
         self.out = OutputPath(self)
         self.compile_threads = compile_threads  # None: half the host's cores
         cfg = runner.cfg
@@ -184,8 +186,15 @@ class Engine:
         compiled ahead of time on `compile_threads` threads at once.
         """
         calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
+        sampler_rows = set()
         for t in self.token_buckets:
-            calls.append(("step", (self.penalties, *self._step_args(self.batch_shape(t), [], [], [])), {}))
+            shape = self.batch_shape(t)
+            batch, inputs = self._step_args(shape, [], [], [])
+            calls.append(("forward", (batch, ForwardInputs.of(inputs)), {}))
+            if shape.seqs not in sampler_rows:  # the sampler's shapes depend on the rows only
+                sampler_rows.add(shape.seqs)
+                logits = self.runner.example_logits(shape.seqs)
+                calls.append(("sample", (self.penalties, logits, inputs.sampling, inputs.slots, inputs.sample_mask), {}))
         draft_calls = []
         if self.spec is not None:
             verify_calls, draft_calls = self.spec.warmup_calls()
@@ -254,10 +263,13 @@ class Engine:
     def flush(self) -> list[RequestOutput]:
         """Read back the decode call in flight, if any, without launching one to follow it. Afterwards the
         host's state is complete, for callers that drive the scheduler or the runner themselves."""
+        self.pipeline.drain()
         return self.loop.flush()
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; outputs of every request that advanced (finished ones included)."""
+        if self.pipeline.ahead is not None:
+            return self.pipeline.resume()
         if self.loop.inflight is None:
             t = time.perf_counter()
             plan = self.scheduler.schedule()
@@ -281,25 +293,12 @@ class Engine:
             slot_rows = self._slot_rows(plan)
             self.times.add("schedule", t)
             if num_iterations == 1:
-                return self._single_step(plan, slot_rows)
+                return self.pipeline.run(plan, slot_rows)
             try:
                 self.loop.inflight = self.loop.dispatch(plan, slot_rows, num_iterations)
             except Exception as e:  # noqa: BLE001 - any failure of the device call fails its requests alone
                 return self._device_failed(plan, e)
         return self.loop.retire()
-
-    def _single_step(self, plan: StepPlan, slot_rows: list[int]) -> list[RequestOutput]:
-        shape = self.batch_shape(plan.num_batched_tokens)
-        try:
-            out = self._run(shape, plan.seqs, plan.page_copies, slot_rows)
-        except Exception as e:  # noqa: BLE001
-            return self._device_failed(plan, e)
-        t = time.perf_counter()
-        touched = self.out.apply(plan, out.sampled, out.prompt, range(len(plan.seqs)))
-        self.num_steps += 1
-        outputs = self.out.emit(touched)
-        self.times.add("apply", t)
-        return outputs
 
     def _decode_args(self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any],
                      slots: list[int], num_iterations: int) -> tuple[StepBatch, SampleInputs, DecodeInputs]:
@@ -334,25 +333,9 @@ class Engine:
     def _pack(self, shape: BatchShape, entries: Sequence[ScheduledSeq]) -> StepBatch:
         return pack([SeqChunk(e.token_ids, e.start_pos, e.page_ids) for e in entries], shape, self.page_size)
 
-    def _run(
-        self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int]
-    ) -> StepOutput:
-        t = time.perf_counter()
-        batch, inputs = self._step_args(shape, entries, copies, slots)
-        t = self.times.add("prepare", t)
-        self.penalties, out = self.runner.step(self.penalties, batch, inputs)
-        # Prompt logprobs are [T, K] per step: copy them to the host only in steps that asked for them.
-        prompt = jax.device_get(out.prompt) if inputs.want_prompt_logprobs else None
-        sampled, counts = jax.device_get((out.sampled, out.expert_counts))
-        self.expert_counts += counts
-        out = StepOutput(sampled, prompt)
-        if self.spec is not None:
-            self.spec.cost.record("step", shape.tokens, time.perf_counter() - t)
-        self.times.add("device", t)
-        return out
-
     def _sample_inputs(
-        self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int]
+        self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int],
+        fwd: ForwardInputs | None = None,
     ) -> SampleInputs:
         params, steps, seeds, bad, recent = [], [], [], [], []
         for e in entries:
@@ -371,11 +354,18 @@ class Engine:
         slot_arr[: len(slots)] = slots
         mask = np.zeros(shape.seqs, bool)
         mask[: len(entries)] = [e.sample for e in entries]
+        fwd = fwd if fwd is not None else self._forward_inputs(shape, entries, copies)
+        return SampleInputs(sampling, slot_arr, mask, fwd.copy_src, fwd.copy_dst, fwd.prompt_next_ids,
+                            fwd.want_prompt_logprobs)
+
+    def _forward_inputs(self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any]
+                        ) -> ForwardInputs:
+        """The host arrays the forward half of a step takes besides the batch: page copies, prompt ids."""
         src, dst = np.zeros(shape.seqs, np.int32), np.zeros(shape.seqs, np.int32)
         for i, (s, d) in enumerate(copies):
             src[i], dst[i] = s, d
         next_ids, want = self._prompt_next_ids(shape, entries)
-        return SampleInputs(sampling, slot_arr, mask, src, dst, next_ids, np.asarray(want))
+        return ForwardInputs(src, dst, next_ids, np.asarray(want))
 
     def _grammar_bitmask(self, shape: BatchShape, entries: Sequence[ScheduledSeq]) -> Any:
         """Allowed-token bits of the rows that sample under a structured-output grammar, filled by their
@@ -418,8 +408,8 @@ class Engine:
         they hold is no longer trusted), so every other running sequence is requeued to recompute its KV,
         and the prefix cache forgets every page."""
         self.num_failed_steps += 1
-        calls = [c for c in (self.loop.inflight,) if c is not None]
-        self.loop.inflight = None
+        calls = [c for c in (self.loop.inflight, self.pipeline.ahead) if c is not None]
+        self.loop.inflight = self.pipeline.ahead = None
         futures.wait([c.launched for c in calls])  # nothing may still write into the cache being replaced
         failed = dict.fromkeys(e.key[0] for p in (plan, *(c.plan for c in calls)) for e in p.seqs)
         self.scheduler.drop_all_kv()
@@ -466,7 +456,8 @@ class Engine:
         stats = dict(self.scheduler.stats())
         after = None if self._compiles_at_warmup is None else self.num_compiles - self._compiles_at_warmup
         stats.update(num_compiles_after_warmup=after, num_compiles=self.num_compiles, num_steps=self.num_steps,
-                     num_overlapped_calls=self.loop.num_overlapped_calls, num_failed_steps=self.num_failed_steps,
+                     num_overlapped_calls=self.loop.num_overlapped_calls,
+                     num_pipelined_steps=self.pipeline.num_pipelined_steps, num_failed_steps=self.num_failed_steps,
                      step_time_s=dict(self.times.seconds))
         if self.expert_counts.size:
             stats.update(expert_load_stats(self.expert_counts))

@@ -79,6 +79,28 @@ class SampleInputs:
     want_prompt_logprobs: jax.Array  # [] bool: compute logits for every token this step
 
 
+@struct.dataclass
+class ForwardInputs:
+    """The fields of SampleInputs that the forward half of a step reads."""
+
+    copy_src: jax.Array  # [C] int32
+    copy_dst: jax.Array  # [C] int32
+    prompt_next_ids: jax.Array  # [T] int32
+    want_prompt_logprobs: jax.Array  # [] bool
+
+    @classmethod
+    def of(cls, inputs: SampleInputs) -> ForwardInputs:
+        return cls(inputs.copy_src, inputs.copy_dst, inputs.prompt_next_ids, inputs.want_prompt_logprobs)
+
+
+class StepLogits(NamedTuple):
+    """What the forward half of a step leaves on device for the sampler."""
+
+    logits: jax.Array  # [S, V] float32
+    prompt: PromptLogprobs  # [T] (zeros unless the step asked for prompt logprobs)
+    expert_counts: jax.Array  # [E] int32 ([0] for dense models)
+
+
 class StepOutput(NamedTuple):
     sampled: SamplerOutput  # [S] tokens and logprobs
     prompt: PromptLogprobs | None  # [T] prompt logprobs; on the host only in steps that asked for them
@@ -155,9 +177,10 @@ class ModelRunner:
             donate_argnums=(1,),
             out_shardings=(None, replicated(mesh)),
         )
-        self._sample_step = jax.jit(
-            functools.partial(self._sample_step_impl, attn_fn=attn_fn), donate_argnums=(1, 2)
-        )
+        # A single step is two programs, the model's forward and the sampler, so the engine can launch the
+        # next forward before it has read this step's tokens (pipelined single steps, pipeline.py).
+        self._forward_step = jax.jit(functools.partial(self._forward_step_impl, attn_fn=attn_fn), donate_argnums=(1,))
+        self._sample_logits = jax.jit(self._sample_logits_impl, donate_argnums=(0,))
         self._decode_steps = jax.jit(
             functools.partial(self._decode_steps_impl, attn_fn=attn_fn),
             donate_argnums=(1, 2),
@@ -167,7 +190,9 @@ class ModelRunner:
             functools.partial(self._verify_step_impl, attn_fn=attn_fn), donate_argnums=(1, 2)
         )
         self.attn_fn = attn_fn  # for entry points registered from outside (a draft model's proposal loop)
-        self._entry_points = {"step": self._sample_step, "decode": self._decode_steps, "verify": self._verify_step}
+        self._entry_points = {"forward": self._forward_step, "sample": self._sample_logits,
+                              "decode": self._decode_steps, "verify": self._verify_step}
+        self._stateless = {"sample"}  # entry points whose arguments are not (weights, kv_cache, ...)
 
     def penalty_sharding(self) -> PenaltyState:
         """Where the penalty state lives: output counts [S, V] split by vocabulary like the logits they
@@ -213,24 +238,49 @@ class ModelRunner:
         last = gather_last_tokens(hidden, batch.logits_indices)  # [S, D]
         return kv_cache, self.family.compute_logits(weights, self.cfg, last)
 
-    def _sample_step_impl(
-        self, weights: Any, kv_cache: KVCache, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs,
-        *, attn_fn: Any,
-    ) -> tuple[KVCache, PenaltyState, StepOutput]:
+    def _forward_step_impl(
+        self, weights: Any, kv_cache: KVCache, batch: StepBatch, fwd: ForwardInputs, *, attn_fn: Any,
+    ) -> tuple[KVCache, StepLogits]:
+        """The model half of a step: page copies, forward, the last tokens' logits [S, V] (split by vocabulary
+        under a vocabulary-parallel lm_head, as the sampler takes them) and, in steps that ask, prompt logprobs."""
         self._count_compile()
-        kv_cache = copy_pages(kv_cache, inputs.copy_src, inputs.copy_dst)
+        kv_cache = copy_pages(kv_cache, fwd.copy_src, fwd.copy_dst)
         hidden, kv_cache, counts = self._forward(weights, batch.token_ids, batch.md, kv_cache, attn_fn)
         logits = self.family.compute_logits(weights, self.cfg, gather_last_tokens(hidden, batch.logits_indices))
-        rows = jax.tree.map(lambda a: a[inputs.slots], penalties)  # [S, ...] this step's rows
-        out = sample(logits, inputs.sampling, rows, vocab=self.vocab)
-        rows = update_output_counts(rows, out.tokens, inputs.sample_mask)
-        penalties = set_rows(penalties, inputs.slots, rows)
         prompt = jax.lax.cond(
-            inputs.want_prompt_logprobs,
-            lambda: self._prompt_logprobs(weights, hidden, inputs.prompt_next_ids),
+            fwd.want_prompt_logprobs,
+            lambda: self._prompt_logprobs(weights, hidden, fwd.prompt_next_ids),
             lambda: _empty_prompt_logprobs(batch.token_ids.shape[0]),
         )
-        return *self._pin_state(kv_cache, penalties), StepOutput(out, prompt, counts)
+        kv_cache = jax.lax.with_sharding_constraint(kv_cache, cache_shardings(kv_cache, self.mesh, self.rules))
+        return kv_cache, StepLogits(jax.lax.with_sharding_constraint(logits, self.logits_sharding()), prompt, counts)
+
+    def _sample_logits_impl(
+        self, penalties: PenaltyState, logits: jax.Array, sampling: SamplingArrays, slots: jax.Array,
+        sample_mask: jax.Array,
+    ) -> tuple[PenaltyState, SamplerOutput]:
+        """The sampler half of a step: logits [S, V] -> one token per row; the rows' output counts advance."""
+        rows = jax.tree.map(lambda a: a[slots], penalties)  # [S, ...] this step's rows
+        out = sample(logits, sampling, rows, vocab=self.vocab)
+        rows = update_output_counts(rows, out.tokens, sample_mask)
+        penalties = set_rows(penalties, slots, rows)
+        # Replicated like the host token ids they become when the engine launches the next forward on them.
+        out = out._replace(tokens=jax.lax.with_sharding_constraint(out.tokens, replicated(self.mesh)))
+        return jax.lax.with_sharding_constraint(penalties, self.penalty_sharding()), out
+
+    def logits_sharding(self) -> NamedSharding:
+        """Where a step's logits [S, V] live between the forward and the sampler."""
+        return NamedSharding(self.mesh, P(None, self.vocab.axis) if self.vocab is not None else P())
+
+    @functools.cached_property
+    def logits_width(self) -> int:
+        """V of the logits the lm_head gives (abstractly evaluated: no compile)."""
+        hidden = jax.ShapeDtypeStruct((1, self.cfg.hidden_size), jnp.float32)
+        return jax.eval_shape(lambda w, h: self.family.compute_logits(w, self.cfg, h), self.weights, hidden).shape[-1]
+
+    def example_logits(self, num_rows: int) -> jax.Array:
+        """Zero logits [num_rows, V] placed as the forward leaves them, to compile the sampler ahead of time."""
+        return jnp.zeros((num_rows, self.logits_width), jnp.float32, device=self.logits_sharding())
 
     def _verify_step_impl(
         self, weights: Any, kv_cache: KVCache, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs,
@@ -320,10 +370,20 @@ class ModelRunner:
 
     def step(self, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs) -> tuple[PenaltyState, StepOutput]:
         """Forward + sampling; the cache and the penalty state are updated in place (donated)."""
-        self.kv_cache, penalties, out = self._dispatch(
-            "step", (self.weights, self.kv_cache, penalties, batch, inputs), {}
-        )
-        return penalties, out
+        step = self.forward(batch, ForwardInputs.of(inputs))
+        penalties, sampled = self.sample(penalties, step.logits, inputs.sampling, inputs.slots, inputs.sample_mask)
+        return penalties, StepOutput(sampled, step.prompt, step.expert_counts)
+
+    def forward(self, batch: StepBatch, fwd: ForwardInputs) -> StepLogits:
+        """The model half of a step (`_forward_step_impl`); the cache is updated in place (donated)."""
+        self.kv_cache, out = self._dispatch("forward", (self.weights, self.kv_cache, batch, fwd), {})
+        return out
+
+    def sample(self, penalties: PenaltyState, logits: jax.Array, sampling: SamplingArrays, slots: jax.Array,
+               sample_mask: jax.Array) -> tuple[PenaltyState, SamplerOutput]:
+        """The sampler half of a step over `forward`'s logits (see `_sample_logits_impl`); the penalty state is
+        updated in place (donated)."""
+        return self._dispatch("sample", (penalties, logits, sampling, slots, sample_mask), {})
 
     def verify(self, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs, spec: VerifyInputs
                ) -> tuple[PenaltyState, VerifyStepOutput]:
@@ -343,10 +403,9 @@ class ModelRunner:
     def _jitted(self, kind: str) -> Any:
         return self._entry_points[kind]
 
-    @staticmethod
-    def _key(kind: str, args: tuple[Any, ...], static: dict[str, Any]) -> tuple[Any, ...]:
-        # Weights and cache (args 0, 1) never change shape; the rest is a few dozen small leaves.
-        shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(args[2:]))
+    def _key(self, kind: str, args: tuple[Any, ...], static: dict[str, Any]) -> tuple[Any, ...]:
+        # Weights and cache (args 0, 1 of the stateful kinds) never change shape; the rest is small leaves.
+        shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(args if kind in self._stateless else args[2:]))
         return (kind, shapes, tuple(sorted(static.items())))
 
     def _dispatch(self, kind: str, args: tuple[Any, ...], static: dict[str, Any]) -> Any:
@@ -368,7 +427,8 @@ class ModelRunner:
             # Lowered with the host inputs placed as `place` puts them at run time: left to the compiler, an input
             # used under a shard_map (the structured-output bitmask) would be compiled for a split layout that
             # the replicated arguments of a real step then fail to match.
-            args = (self.weights, self.kv_cache, *self.place(tuple(rest)))
+            placed = self.place(tuple(rest))
+            args = placed if kind in self._stateless else (self.weights, self.kv_cache, *placed)
             key = self._key(kind, args, static)
             if key not in self._executables:
                 lowered.append((key, self._jitted(kind).lower(*args, **static)))

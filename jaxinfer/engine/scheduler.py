@@ -304,6 +304,18 @@ class Scheduler:
         results of the call in flight are known (overlapped decode)."""
         return self._peek_waiting() is None and all(seq.key in keys for seq in self._running)
 
+    def decodes_only(self, keys: Collection[SeqKey]) -> bool:
+        """What ``schedule()`` would plan next is one more decode of each of ``keys`` (pipelined single steps):
+        every running sequence is one of them and no waiting request could be admitted, because none waits or
+        the head of the queue finds no sequence slot (admission never preempts for a slot)."""
+        if not all(seq.key in keys for seq in self._running):
+            return False
+        head = self._peek_waiting()
+        if head is None:
+            return True
+        slots = self._groups[head.request_id].n if self._fork_pending(head) else 1
+        return len(self._running) + self._reserved_slots + slots > self.max_num_seqs
+
     def live(self, key: SeqKey) -> Sequence | None:
         """The sequence if it is still unfinished (not stopped, aborted or finished by length)."""
         return self._live(key)

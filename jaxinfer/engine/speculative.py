@@ -326,7 +326,7 @@ class Speculator:
         except Exception as e:  # noqa: BLE001
             return engine._device_failed(plan, e)
         self._advance_draft(plan, None, lags)
-        return engine._single_step(plan, engine._slot_rows(plan))
+        return engine.pipeline.run(plan, engine._slot_rows(plan))
 
     # ------------------------------------------------------------------------------------ engine hooks
 

@@ -18,7 +18,7 @@ from jaxinfer.config import CacheConfig, EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.models import GEMMA3, LLAMA
 from jaxinfer.params import abstract_params
-from model_helpers import build_runner, tiny_config
+from model_helpers import build_runner, step_hlo, tiny_config
 from models.test_gemma3 import tiny_config as tiny_gemma_config
 
 # Copies and transposes that materialise an array: `%x = f32[...]{...} copy(` (also async copy-start).
@@ -46,8 +46,7 @@ def _compiled(family, cfg) -> tuple[list[str], set[int]]:
     runner = build_runner(cfg, family=family, num_pages=40, page_size=4)
     engine = Engine(runner, None, EngineConfig(max_num_seqs=8, max_num_batched_tokens=32),
                     CacheConfig(page_size=4, num_pages=40), use_tqdm=False, decode_steps_per_call=8)
-    step = (runner.weights, runner.kv_cache, engine.penalties, *engine._step_args(engine.batch_shape(16), [], [], []))
-    texts = [runner._sample_step.lower(*step).compile().as_text()]
+    texts = [step_hlo(engine, 16)]
     for rows in (1, 8):  # the 1-row bucket's cache write is a dynamic-update-slice, the others' a scatter
         decode = (runner.weights, runner.kv_cache, engine.penalties,
                   *engine._decode_args(engine.decode_shape(rows), [], [], [], 0))

@@ -1,0 +1,154 @@
+"""Pipelined single steps (jaxinfer/engine/pipeline.py): the next forward launched before the host has read the
+tokens it runs on must change nothing but the timing. Every test compares an engine with the pipeline (the
+default, overlap on) against the same engine with overlap off, or against the float64 reference, and checks
+that the pipeline really ran (`num_pipelined_steps`), left no page behind and compiled nothing after warmup."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxinfer import LLM
+from jaxinfer.config import CacheConfig, EngineConfig, SamplingParams
+from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.sequence import FinishReason
+from jaxinfer.presets import load_preset
+
+from test_engine import CFG, GREEDY, MAX_LEN, assert_all_pages_free, prompts_of, reference_greedy, shared_runner
+
+PROMPTS = prompts_of([5, 9, 3, 12])
+
+
+def _engine(pipeline: bool, max_num_seqs: int = 4, steps: int = 1) -> Engine:
+    engine = Engine(shared_runner(16), None, EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=16,
+                                                          max_model_len=MAX_LEN),
+                    CacheConfig(page_size=16), use_tqdm=False, decode_steps_per_call=steps, overlap_decode=pipeline)
+    engine.warmup()
+    return engine
+
+
+def _check_clean(engine: Engine, pipelined: bool) -> None:
+    stats = engine.stats()
+    assert (stats["num_pipelined_steps"] > 0) == pipelined
+    assert stats["num_compiles_after_warmup"] == 0
+    assert_all_pages_free(engine)
+
+
+def test_greedy_equals_the_reference_with_and_without_the_pipeline() -> None:
+    for pipeline in (True, False):
+        engine = _engine(pipeline)
+        outs = engine.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == [reference_greedy(tuple(p), GREEDY.max_tokens) for p in PROMPTS]
+        _check_clean(engine, pipeline)
+
+
+def test_sampled_tokens_penalties_and_logprobs_are_unchanged() -> None:
+    """Seeds, penalties and logprobs are built from the host's state just before each sampler runs."""
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=7 + i, max_tokens=24, ignore_eos=True, logprobs=2,
+                             repetition_penalty=1.3, frequency_penalty=0.5)
+              for i in range(len(PROMPTS))]
+    runs = {}
+    for pipeline in (True, False):
+        engine = _engine(pipeline)
+        runs[pipeline] = engine.generate(PROMPTS, params)
+        _check_clean(engine, pipeline)
+    for a, b in zip(runs[True], runs[False]):
+        assert a.token_ids == b.token_ids
+        np.testing.assert_allclose([lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.token_ids)],
+                                   [lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.token_ids)], atol=1e-5)
+
+
+def test_stops_aborts_and_arrivals_mid_pipeline() -> None:
+    """A row stopped on a token the forward launched ahead already runs on, a request aborted while a forward
+    is in flight, and one that arrives then: the others' tokens equal the reference, every page comes back."""
+    ref = {i: reference_greedy(tuple(p), 30) for i, p in enumerate(PROMPTS)}
+    stop_at = 6
+    engine = _engine(True)
+    params = [SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True) for _ in PROMPTS]
+    params[1] = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True, stop_token_ids=[ref[1][stop_at]])
+    ids = [engine.add_request(p, sp) for p, sp in zip(PROMPTS[:3], params[:3])]
+    outs: dict[str, list[int]] = {}
+    while engine.stats()["num_pipelined_steps"] < 3:
+        outs.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    assert engine.pipeline.ahead is not None
+    aborted = engine.abort(ids[2])
+    assert aborted.outputs[0].finish_reason == FinishReason.ABORT.value
+    late = engine.add_request(PROMPTS[3], params[3])
+    while engine.has_unfinished():
+        outs.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+    engine.flush()
+    assert outs[ids[0]] == ref[0]
+    first_stop = ref[1].index(ref[1][stop_at])
+    assert outs[ids[1]] == ref[1][: first_stop + 1]
+    assert outs[late] == ref[3]
+    assert aborted.outputs[0].token_ids == ref[2][: len(aborted.outputs[0].token_ids)]
+    _check_clean(engine, True)
+
+
+def test_rows_under_the_smallest_token_bucket_get_their_tokens_spliced_in() -> None:
+    """max_num_seqs 2 keeps 2 sampler rows in a 16-token bucket: the next forward's ids are spliced in front."""
+    engine = _engine(True, max_num_seqs=2)
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [reference_greedy(tuple(p), GREEDY.max_tokens) for p in PROMPTS]
+    _check_clean(engine, True)
+
+
+def test_multi_step_engines_pipeline_only_structured_rows(smollm2_path) -> None:
+    """With decode_steps_per_call > 1 plain rows keep the multi-step loop; rows under a grammar are pipelined,
+    and give the same text as without the pipeline (same seeds)."""
+    cfg = load_preset("smollm2-135m").replace(hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4,
+                                              num_kv_heads=2, head_dim=16)
+    choices = ["alpha beta gamma", "delta epsilon", "zeta eta theta iota"]
+    params = [SamplingParams(temperature=0.8, seed=s, max_tokens=40, structured={"choice": choices}) for s in range(3)]
+    texts = {}
+    for pipeline in (True, False):
+        llm = LLM(cfg, tokenizer=smollm2_path, random_weights=True, dtype="float32", max_num_seqs=16,
+                  max_num_batched_tokens=32, max_model_len=128, attention_impl="reference", decode_steps_per_call=4,
+                  overlap_decode=pipeline, use_tqdm=False)
+        plain = llm.generate(["Say something."], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True))
+        assert llm.engine_stats()["num_pipelined_steps"] == 0 and len(plain[0].token_ids) == 12
+        texts[pipeline] = [o.text for o in llm.generate(["Pick one."] * 3, params)]
+        stats = llm.engine_stats()
+        assert (stats["num_pipelined_steps"] > 0) == pipeline
+        assert stats["num_compiles_after_warmup"] == 0 and stats["free_pages"] == stats["total_pages"]
+    assert texts[True] == texts[False]
+    assert all(t in choices for t in texts[True])
+
+
+@pytest.mark.parametrize("tp", [2])
+def test_tensor_parallel_pipeline_equals_one_device(tp: int) -> None:
+    """Under TP the sampler's tokens go straight into the next forward: their sharding must be the one that
+    forward was compiled for (replicated), or the call would fail."""
+    import model_helpers
+
+    runner = model_helpers.build_runner(CFG, tp=tp, seed=0, num_pages=48, page_size=16)
+    engine = Engine(runner, None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=MAX_LEN),
+                    CacheConfig(page_size=16), use_tqdm=False, decode_steps_per_call=1)
+    engine.warmup()
+    outs = engine.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == [reference_greedy(tuple(p), GREEDY.max_tokens) for p in PROMPTS]
+    _check_clean(engine, True)
+
+
+@pytest.mark.gpu
+def test_pipeline_on_gpu_with_the_platform_kernels() -> None:
+    """On a GPU the forward holds the Pallas attention kernel and syncs on branch predicates; launched from the
+    launcher thread ahead of the host, it must still give the tokens of the unpipelined engine (bf16, so the
+    comparison is engine against engine rather than against the float64 reference)."""
+    import jax
+
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU (jax.default_backend() != 'gpu')")
+    cfg = load_preset("llama-3-8b").replace(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8,
+                                            num_kv_heads=2, head_dim=32, vocab_size=4096)
+    prompts = [list(range(3 + i, 40 + 7 * i)) for i in range(6)]
+    params = [SamplingParams(temperature=0.7, seed=i, max_tokens=48, ignore_eos=True) for i in range(6)]
+    runs = {}
+    for pipeline in (True, False):
+        llm = LLM(cfg, random_weights=True, dtype="bfloat16", max_num_seqs=16, max_model_len=256,
+                  decode_steps_per_call=1, overlap_decode=pipeline, use_tqdm=False)
+        runs[pipeline] = [o.token_ids for o in llm.generate(prompts, params)]
+        stats = llm.engine_stats()
+        assert (stats["num_pipelined_steps"] > 0) == pipeline and stats["num_compiles_after_warmup"] == 0
+        del llm
+    assert runs[True] == runs[False]
