@@ -4,8 +4,10 @@ Composition, not inheritance: `Scheduler` decides what runs and owns pages, `pac
 arrays, `ModelRunner.step` runs forward + sampling on device, `RequestState` turns tokens into text and
 decides stops. This class wires them, builds each step's host arrays, and keeps the per-sequence sampling
 state (seeds, penalty slots) that must survive preemption. Its collaborators: `DecodeLoop` (decode_loop.py:
-several decode iterations per device call, overlapped with the host), `OutputPath` (output_path.py: tokens
-to request states and outputs, where one request can fail alone), the batch API (frontend.py), and, with
+several decode iterations per device call, overlapped with the host), `StepPipeline` (pipeline.py: single
+steps as a forward and a sampler program, the next forward launched before the host reads the tokens),
+`OutputPath` (output_path.py: tokens to request states and outputs, where one request can fail alone), the
+batch API (frontend.py), and, with
 speculative decoding configured, `Speculator` (speculative.py: proposals, one verification step, rollback).
 """
 
