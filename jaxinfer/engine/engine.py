@@ -411,7 +411,8 @@ class Engine:
         and the prefix cache forgets every page."""
         self.num_failed_steps += 1
         calls = [c for c in (self.loop.inflight, self.pipeline.ahead) if c is not None]
-        self.loop.inflight = self.pipeline.ahead = None
+        self.loop.inflight = None
+        self.pipeline.drain()  # (its forward is among `calls`)
         futures.wait([c.launched for c in calls])  # nothing may still write into the cache being replaced
         failed = dict.fromkeys(e.key[0] for p in (plan, *(c.plan for c in calls)) for e in p.seqs)
         self.scheduler.drop_all_kv()

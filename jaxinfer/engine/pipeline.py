@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import Future
@@ -31,7 +32,6 @@ import jax
 import numpy as np
 
 from jaxinfer.engine.batcher import BatchShape
-from jaxinfer.engine.decode_loop import prompt_gil_handoff
 from jaxinfer.engine.page_table import TRASH_PAGE
 from jaxinfer.engine.runner import ForwardInputs, SampleInputs, StepBatch, StepLogits
 from jaxinfer.engine.sampling import PenaltyState, SamplerOutput
@@ -62,6 +62,7 @@ class StepPipeline:
         self.num_pipelined_steps = 0  # steps whose forward was launched before the host had their input tokens
         self._plain_forward: dict[BatchShape, ForwardInputs] = {}
         self._threaded = jax.process_count() == 1
+        self._interval: float | None = None  # Python's switch interval while pipelining lowered it
 
     def run(self, plan: StepPlan, slot_rows: list[int]) -> list[RequestOutput]:
         """One step for a plan of `schedule()`."""
@@ -82,6 +83,7 @@ class StepPipeline:
         t = time.perf_counter()
         plan, rows = engine.loop.settle(ahead.plan)
         if not plan.seqs:  # every row finished: nothing to sample (the forward ran in order, harmlessly)
+            self._gil_handoff(False)
             engine.times.add("schedule", t)
             return []
         slots = engine._slot_rows(plan)
@@ -94,6 +96,7 @@ class StepPipeline:
         """Wait for a forward launched ahead and forget it: the host state stays complete without it (the KV
         it wrote is written again, the same, by the step that schedule() plans next)."""
         ahead, self.ahead = self.ahead, None
+        self._gil_handoff(False)
         if ahead is not None:
             ahead.launched.exception()
 
@@ -106,13 +109,16 @@ class StepPipeline:
         engine = self.engine
         t = time.perf_counter()
         placed = engine.runner.place((inputs.sampling, inputs.slots, inputs.sample_mask))
+        ahead = self._plan_ahead(plan, rows, num_rows, shape)
         penalties, engine.penalties = engine.penalties, None  # handed to the launcher; back from `sampled`
-        sampled = self._submit(self._sample_job, forward, penalties, placed)
-        ahead = self._plan_ahead(plan, rows, num_rows, shape)  # planned while the sampler runs
+        sampled: Future[tuple[PenaltyState, SamplerOutput, StepLogits]] = Future()
+        # One job samples and then launches the next forward at once: the launcher thread must not wait for
+        # the GIL between the two while this thread turns tokens into text.
+        launched = self._submit(self._sample_then_forward, sampled, forward, penalties, placed, ahead)
         if ahead is not None:
-            next_plan, batch, fwd = ahead
-            self.ahead = _Ahead(next_plan, shape, self._submit(self._forward_job, sampled, batch, fwd))
-        engine.times.add("prepare", t)
+            self.ahead = _Ahead(ahead[0], shape, launched)
+        self._gil_handoff(self.ahead is not None)
+        t = engine.times.add("prepare", t)
         try:
             engine.penalties, out, step = sampled.result()
             # Prompt logprobs are [T, K] per step: copy them to the host only in steps that asked for them.
@@ -124,12 +130,22 @@ class StepPipeline:
         if engine.spec is not None:
             engine.spec.cost.record("step", shape.tokens, time.perf_counter() - t)
         t = engine.times.add("device", t)
-        with prompt_gil_handoff(self.ahead is not None):
-            touched = engine.out.apply(plan, out, prompt, rows)
-            engine.num_steps += 1
-            outputs = engine.out.emit(touched)
+        touched = engine.out.apply(plan, out, prompt, rows)
+        engine.num_steps += 1
+        outputs = engine.out.emit(touched)
         engine.times.add("apply", t)
         return outputs
+
+    def _gil_handoff(self, on: bool) -> None:
+        """While a forward runs ahead, this thread's host work (masks, text, the next sampler's arrays) would
+        hold the GIL for Python's 5 ms switch interval at a time, and the launcher thread needs it to return
+        from one device call and make the next: keep the interval at 0.2 ms until the pipeline stops."""
+        if on and self._interval is None:
+            self._interval = sys.getswitchinterval()
+            sys.setswitchinterval(min(self._interval, 2e-4))
+        elif not on and self._interval is not None:
+            sys.setswitchinterval(self._interval)
+            self._interval = None
 
     def _submit(self, fn: Any, *args: Any) -> Future[Any]:
         """Run `fn` on the launcher thread; inline when the mesh spans processes: every process must then make
@@ -148,15 +164,23 @@ class StepPipeline:
         placed = self.engine.runner.place((batch, fwd))
         return self._submit(self.engine.runner.forward, *placed)
 
-    def _sample_job(self, forward: Future[StepLogits], penalties: PenaltyState, placed: tuple[Any, ...]
-                    ) -> tuple[PenaltyState, SamplerOutput, StepLogits]:
-        step = forward.result()
-        penalties, out = self.engine.runner.sample(penalties, step.logits, *placed)
-        return penalties, out, step
-
-    def _forward_job(self, sampled: Future[tuple[PenaltyState, SamplerOutput, StepLogits]], batch: StepBatch,
-                     fwd: ForwardInputs) -> StepLogits:
-        tokens = sampled.result()[1].tokens  # [S] on device: the input ids of rows 0..S-1
+    def _sample_then_forward(
+        self, sampled: Future[tuple[PenaltyState, SamplerOutput, StepLogits]], forward: Future[StepLogits],
+        penalties: PenaltyState, placed: tuple[Any, ...], ahead: tuple[StepPlan, StepBatch, ForwardInputs] | None,
+    ) -> StepLogits | None:
+        """On the launcher: the sampler over `forward`'s logits (its result into `sampled`), then the forward
+        of the step planned ahead, on the sampler's device tokens. Returns that forward's logits, or None."""
+        try:
+            step = forward.result()
+            penalties, out = self.engine.runner.sample(penalties, step.logits, *placed)
+        except BaseException as e:
+            sampled.set_exception(e)
+            raise
+        sampled.set_result((penalties, out, step))
+        if ahead is None:
+            return None
+        _, batch, fwd = ahead
+        tokens = out.tokens  # [S] on device: the input ids of rows 0..S-1
         if tokens.shape != batch.token_ids.shape:  # S < T (max_num_seqs under the smallest token bucket)
             tokens = _splice(batch.token_ids, tokens)
         return self.engine.runner.forward(dataclasses.replace(batch, token_ids=tokens), fwd)
