@@ -57,7 +57,10 @@ class StepPipeline:
 
     def __init__(self, engine: Engine, enabled: bool) -> None:
         self.engine = engine
-        self.enabled = enabled
+        # Not across processes: there every device call is made inline, in one order on every process, and a
+        # forward launched ahead would only reorder work against the decode loop's calls (the 2-process test
+        # timed out under load with it).
+        self.enabled = enabled and jax.process_count() == 1
         self.ahead: _Ahead | None = None
         self.num_pipelined_steps = 0  # steps whose forward was launched before the host had their input tokens
         self._plain_forward: dict[BatchShape, ForwardInputs] = {}
