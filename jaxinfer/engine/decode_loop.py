@@ -46,6 +46,9 @@ if TYPE_CHECKING:
     from jaxinfer.engine.engine import Engine
 
 
+HANDOFF_SWITCH_INTERVAL_S = 2e-4  # Python's GIL switch interval while a launcher thread must run promptly
+
+
 @contextlib.contextmanager
 def prompt_gil_handoff(active: bool) -> Iterator[None]:
     """While the host replays tokens (pure Python) beside a call in flight, let the launcher thread take the
@@ -55,7 +58,7 @@ def prompt_gil_handoff(active: bool) -> Iterator[None]:
         yield
         return
     interval = sys.getswitchinterval()
-    sys.setswitchinterval(min(interval, 2e-4))
+    sys.setswitchinterval(min(interval, HANDOFF_SWITCH_INTERVAL_S))
     try:
         yield
     finally:

@@ -32,6 +32,7 @@ import jax
 import numpy as np
 
 from jaxinfer.engine.batcher import BatchShape
+from jaxinfer.engine.decode_loop import HANDOFF_SWITCH_INTERVAL_S
 from jaxinfer.engine.page_table import TRASH_PAGE
 from jaxinfer.engine.runner import ForwardInputs, SampleInputs, StepBatch, StepLogits
 from jaxinfer.engine.sampling import PenaltyState, SamplerOutput
@@ -145,7 +146,7 @@ class StepPipeline:
         from one device call and make the next: keep the interval at 0.2 ms until the pipeline stops."""
         if on and self._interval is None:
             self._interval = sys.getswitchinterval()
-            sys.setswitchinterval(min(self._interval, 2e-4))
+            sys.setswitchinterval(min(self._interval, HANDOFF_SWITCH_INTERVAL_S))
         elif not on and self._interval is not None:
             sys.setswitchinterval(self._interval)
             self._interval = None

@@ -203,8 +203,10 @@ class ModelRunner:
     def _pin_state(self, kv_cache: KVCache, penalties: PenaltyState) -> tuple[KVCache, PenaltyState]:
         """Give the carried state the sharding it came in with, so an executable compiled ahead of time for
         that sharding takes the next step's state as it is."""
-        kv_cache = jax.lax.with_sharding_constraint(kv_cache, cache_shardings(kv_cache, self.mesh, self.rules))
-        return kv_cache, jax.lax.with_sharding_constraint(penalties, self.penalty_sharding())
+        return self._pin_cache(kv_cache), jax.lax.with_sharding_constraint(penalties, self.penalty_sharding())
+
+    def _pin_cache(self, kv_cache: KVCache) -> KVCache:
+        return jax.lax.with_sharding_constraint(kv_cache, cache_shardings(kv_cache, self.mesh, self.rules))
 
     def _forward(self, weights: Any, token_ids: jax.Array, md: AttentionMetadata, kv_cache: KVCache,
                  attn_fn: Any) -> tuple[jax.Array, KVCache, jax.Array]:
@@ -252,8 +254,7 @@ class ModelRunner:
             lambda: self._prompt_logprobs(weights, hidden, fwd.prompt_next_ids),
             lambda: _empty_prompt_logprobs(batch.token_ids.shape[0]),
         )
-        kv_cache = jax.lax.with_sharding_constraint(kv_cache, cache_shardings(kv_cache, self.mesh, self.rules))
-        return kv_cache, StepLogits(jax.lax.with_sharding_constraint(logits, self.logits_sharding()), prompt, counts)
+        return self._pin_cache(kv_cache), StepLogits(jax.lax.with_sharding_constraint(logits, self.logits_sharding()), prompt, counts)
 
     def _sample_logits_impl(
         self, penalties: PenaltyState, logits: jax.Array, sampling: SamplingArrays, slots: jax.Array,
