@@ -356,18 +356,16 @@ class Engine:
         slot_arr[: len(slots)] = slots
         mask = np.zeros(shape.seqs, bool)
         mask[: len(entries)] = [e.sample for e in entries]
-        fwd = fwd if fwd is not None else self._forward_inputs(shape, entries, copies)
-        return SampleInputs(sampling, slot_arr, mask, fwd.copy_src, fwd.copy_dst, fwd.prompt_next_ids,
-                            fwd.want_prompt_logprobs)
+        fwd = fwd if fwd is not None else self._forward_inputs(shape, copies)
+        next_ids, want = self._prompt_next_ids(shape, entries)
+        return SampleInputs(sampling, slot_arr, mask, fwd.copy_src, fwd.copy_dst, next_ids, np.asarray(want))
 
-    def _forward_inputs(self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any]
-                        ) -> ForwardInputs:
-        """The host arrays the forward half of a step takes besides the batch: page copies, prompt ids."""
+    def _forward_inputs(self, shape: BatchShape, copies: Sequence[Any]) -> ForwardInputs:
+        """The host arrays the forward half of a step takes besides the batch: the page copies."""
         src, dst = np.zeros(shape.seqs, np.int32), np.zeros(shape.seqs, np.int32)
         for i, (s, d) in enumerate(copies):
             src[i], dst[i] = s, d
-        next_ids, want = self._prompt_next_ids(shape, entries)
-        return ForwardInputs(src, dst, next_ids, np.asarray(want))
+        return ForwardInputs(src, dst)
 
     def _grammar_bitmask(self, shape: BatchShape, entries: Sequence[ScheduledSeq]) -> Any:
         """Allowed-token bits of the rows that sample under a structured-output grammar, filled by their

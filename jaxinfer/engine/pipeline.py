@@ -35,12 +35,16 @@ from jaxinfer.engine.batcher import BatchShape
 from jaxinfer.engine.decode_loop import HANDOFF_SWITCH_INTERVAL_S
 from jaxinfer.engine.page_table import TRASH_PAGE
 from jaxinfer.engine.runner import ForwardInputs, SampleInputs, StepBatch, StepLogits
-from jaxinfer.engine.sampling import PenaltyState, SamplerOutput
+from jaxinfer.engine.sampling import PenaltyState, PromptLogprobs, SamplerOutput
 from jaxinfer.engine.scheduler import ScheduledSeq, StepPlan
 from jaxinfer.outputs import RequestOutput
 
 if TYPE_CHECKING:
     from jaxinfer.engine.engine import Engine
+
+
+# What the launcher hands back from a sampler: penalty state, tokens, expert counts [E], prompt logprobs or None.
+_Sampled = tuple[PenaltyState, SamplerOutput, jax.Array, PromptLogprobs | None]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +77,7 @@ class StepPipeline:
         engine = self.engine
         t = time.perf_counter()
         shape = engine.batch_shape(plan.num_batched_tokens)
-        fwd = engine._forward_inputs(shape, plan.seqs, plan.page_copies)
+        fwd = engine._forward_inputs(shape, plan.page_copies)
         forward = self._launch_forward(engine._pack(shape, plan.seqs), fwd)
         # The sampler's arrays (grammar masks included) are built while the forward runs.
         inputs = engine._sample_inputs(shape, plan.seqs, plan.page_copies, slot_rows, fwd)
@@ -113,21 +117,21 @@ class StepPipeline:
         engine = self.engine
         t = time.perf_counter()
         placed = engine.runner.place((inputs.sampling, inputs.slots, inputs.sample_mask))
+        # Prompt logprobs are [T, K] per step: computed (and copied to the host) only in steps that ask.
+        prompt_ids = engine.runner.place(inputs.prompt_next_ids) if inputs.want_prompt_logprobs else None
         ahead = self._plan_ahead(plan, rows, num_rows, shape)
         penalties, engine.penalties = engine.penalties, None  # handed to the launcher; back from `sampled`
-        sampled: Future[tuple[PenaltyState, SamplerOutput, StepLogits]] = Future()
+        sampled: Future[_Sampled] = Future()
         # One job samples and then launches the next forward at once: the launcher thread must not wait for
         # the GIL between the two while this thread turns tokens into text.
-        launched = self._submit(self._sample_then_forward, sampled, forward, penalties, placed, ahead)
+        launched = self._submit(self._sample_then_forward, sampled, forward, penalties, placed, prompt_ids, ahead)
         if ahead is not None:
             self.ahead = _Ahead(ahead[0], shape, launched)
         self._gil_handoff(self.ahead is not None)
         t = engine.times.add("prepare", t)
         try:
-            engine.penalties, out, step = sampled.result()
-            # Prompt logprobs are [T, K] per step: copy them to the host only in steps that asked for them.
-            prompt = jax.device_get(step.prompt) if inputs.want_prompt_logprobs else None
-            out, counts = jax.device_get((out, step.expert_counts))
+            engine.penalties, out, counts, prompt = sampled.result()
+            out, counts, prompt = jax.device_get((out, counts, prompt))
         except Exception as e:  # noqa: BLE001 - any failure of the device calls fails their requests alone
             return engine._device_failed(plan, e)
         engine.expert_counts += counts
@@ -169,25 +173,28 @@ class StepPipeline:
         return self._submit(self.engine.runner.forward, *placed)
 
     def _sample_then_forward(
-        self, sampled: Future[tuple[PenaltyState, SamplerOutput, StepLogits]], forward: Future[StepLogits],
-        penalties: PenaltyState, placed: tuple[Any, ...], ahead: tuple[StepPlan, StepBatch, ForwardInputs] | None,
+        self, sampled: Future[_Sampled], forward: Future[StepLogits], penalties: PenaltyState,
+        placed: tuple[Any, ...], prompt_ids: jax.Array | None, ahead: tuple[StepPlan, StepBatch, ForwardInputs] | None,
     ) -> StepLogits | None:
-        """On the launcher: the sampler over `forward`'s logits (its result into `sampled`), then the forward
-        of the step planned ahead, on the sampler's device tokens. Returns that forward's logits, or None."""
+        """On the launcher: the sampler over `forward`'s logits and, when `prompt_ids` are given, the prompt
+        logprobs over its hidden states (their results into `sampled`), then the forward of the step planned
+        ahead, on the sampler's device tokens. Returns that forward's logits, or None."""
+        runner = self.engine.runner
         try:
             step = forward.result()
-            penalties, out = self.engine.runner.sample(penalties, step.logits, *placed)
+            penalties, out = runner.sample(penalties, step.logits, *placed)
+            prompt = runner.prompt_logprobs(step.hidden, prompt_ids) if prompt_ids is not None else None
         except BaseException as e:
             sampled.set_exception(e)
             raise
-        sampled.set_result((penalties, out, step))
+        sampled.set_result((penalties, out, step.expert_counts, prompt))
         if ahead is None:
             return None
         _, batch, fwd = ahead
         tokens = out.tokens  # [S] on device: the input ids of rows 0..S-1
         if tokens.shape != batch.token_ids.shape:  # S < T (max_num_seqs under the smallest token bucket)
             tokens = _splice(batch.token_ids, tokens)
-        return self.engine.runner.forward(dataclasses.replace(batch, token_ids=tokens), fwd)
+        return runner.forward(dataclasses.replace(batch, token_ids=tokens), fwd)
 
     def _plan_ahead(
         self, plan: StepPlan, rows: list[int], num_rows: int, shape: BatchShape
@@ -229,11 +236,11 @@ class StepPipeline:
         return next_plan, engine.runner.place(engine._pack(shape, next_plan.seqs)), self._no_extras(shape)
 
     def _no_extras(self, shape: BatchShape) -> ForwardInputs:
-        """Forward inputs without page copies or prompt logprobs, kept on device per bucket."""
+        """Forward inputs without page copies, kept on device per bucket."""
         fwd = self._plain_forward.get(shape)
         if fwd is None:
             zeros = np.zeros(shape.seqs, np.int32)
-            fwd = ForwardInputs(zeros, zeros, np.zeros(shape.tokens, np.int32), np.asarray(False))
+            fwd = ForwardInputs(zeros, zeros)
             fwd = self._plain_forward[shape] = self.engine.runner.place(fwd)
         return fwd
 

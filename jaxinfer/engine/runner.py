@@ -56,6 +56,15 @@ from pallas_kernels.ragged_paged_attention import resolve_impl
 
 PROMPT_LOGPROB_CHUNK = 256  # positions whose full-vocabulary logits exist at once
 
+# XLA's GPU backend records runs of kernels as CUDA graphs ("command buffers") and, when a call's input buffers
+# sit at new addresses, updates every graph node that reads them before launching. The single-step programs get
+# new input buffers in every step (the batch placed from the host, the sampler's tokens), and on an H100 the
+# Llama-3-8B forward then took 4.2 ms to return from its dispatch, against 1.4 ms with the same buffers, while
+# the device waited for it: a pipelined step took 16.3 ms with graphs and 13.7 ms with plain kernel launches
+# (scripts/pipeline_timeline.py). The multi-step loop is unchanged either way (12.1 ms per iteration).
+# A GPU debug option: the other backends ignore it.
+NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
+
 
 @struct.dataclass
 class StepBatch:
@@ -85,19 +94,17 @@ class ForwardInputs:
 
     copy_src: jax.Array  # [C] int32
     copy_dst: jax.Array  # [C] int32
-    prompt_next_ids: jax.Array  # [T] int32
-    want_prompt_logprobs: jax.Array  # [] bool
 
     @classmethod
     def of(cls, inputs: SampleInputs) -> ForwardInputs:
-        return cls(inputs.copy_src, inputs.copy_dst, inputs.prompt_next_ids, inputs.want_prompt_logprobs)
+        return cls(inputs.copy_src, inputs.copy_dst)
 
 
 class StepLogits(NamedTuple):
-    """What the forward half of a step leaves on device for the sampler."""
+    """What the forward half of a step leaves on device for the sampler (and the prompt-logprob program)."""
 
     logits: jax.Array  # [S, V] float32
-    prompt: PromptLogprobs  # [T] (zeros unless the step asked for prompt logprobs)
+    hidden: jax.Array  # [T, D] the final hidden state of every position, for steps that ask for prompt logprobs
     expert_counts: jax.Array  # [E] int32 ([0] for dense models)
 
 
@@ -179,8 +186,9 @@ class ModelRunner:
         )
         # A single step is two programs, the model's forward and the sampler, so the engine can launch the
         # next forward before it has read this step's tokens (pipelined single steps, pipeline.py).
-        self._forward_step = jax.jit(functools.partial(self._forward_step_impl, attn_fn=attn_fn), donate_argnums=(1,))
-        self._sample_logits = jax.jit(self._sample_logits_impl, donate_argnums=(0,))
+        self._forward_step = jax.jit(functools.partial(self._forward_step_impl, attn_fn=attn_fn), donate_argnums=(1,),
+                                     compiler_options=NO_COMMAND_BUFFERS)
+        self._sample_logits = jax.jit(self._sample_logits_impl, donate_argnums=(0,), compiler_options=NO_COMMAND_BUFFERS)
         self._decode_steps = jax.jit(
             functools.partial(self._decode_steps_impl, attn_fn=attn_fn),
             donate_argnums=(1, 2),
@@ -192,7 +200,14 @@ class ModelRunner:
         self.attn_fn = attn_fn  # for entry points registered from outside (a draft model's proposal loop)
         self._entry_points = {"forward": self._forward_step, "sample": self._sample_logits,
                               "decode": self._decode_steps, "verify": self._verify_step}
-        self._stateless = {"sample"}  # entry points whose arguments are not (weights, kv_cache, ...)
+        # Prompt logprobs are their own program over the forward's hidden states, for the rare steps that ask:
+        # as a `lax.cond` inside the forward, XLA's GPU runtime read the predicate back to the host in every
+        # step, so the forward's launch returned only once it had run and the next call could not queue behind it.
+        self._prompt_step = jax.jit(self._prompt_logprobs, compiler_options=NO_COMMAND_BUFFERS)
+        self._entry_points["prompt"] = self._prompt_step
+        # How many leading arguments of an entry point are the runner's own (weights, kv_cache): they never change
+        # shape, so `_key` skips them and `precompile` supplies them.
+        self._own_args = {"sample": 0, "prompt": 1}
 
     def penalty_sharding(self) -> PenaltyState:
         """Where the penalty state lives: output counts [S, V] split by vocabulary like the logits they
@@ -249,12 +264,10 @@ class ModelRunner:
         kv_cache = copy_pages(kv_cache, fwd.copy_src, fwd.copy_dst)
         hidden, kv_cache, counts = self._forward(weights, batch.token_ids, batch.md, kv_cache, attn_fn)
         logits = self.family.compute_logits(weights, self.cfg, gather_last_tokens(hidden, batch.logits_indices))
-        prompt = jax.lax.cond(
-            fwd.want_prompt_logprobs,
-            lambda: self._prompt_logprobs(weights, hidden, fwd.prompt_next_ids),
-            lambda: _empty_prompt_logprobs(batch.token_ids.shape[0]),
-        )
-        return self._pin_cache(kv_cache), StepLogits(jax.lax.with_sharding_constraint(logits, self.logits_sharding()), prompt, counts)
+        logits = jax.lax.with_sharding_constraint(logits, self.logits_sharding())
+        # Pinned, so the prompt-logprob program compiled ahead of time for this layout takes it as it comes.
+        hidden = jax.lax.with_sharding_constraint(hidden, self.hidden_sharding(hidden.shape[0]))
+        return self._pin_cache(kv_cache), StepLogits(logits, hidden, counts)
 
     def _sample_logits_impl(
         self, penalties: PenaltyState, logits: jax.Array, sampling: SamplingArrays, slots: jax.Array,
@@ -268,6 +281,12 @@ class ModelRunner:
         # Replicated like the host token ids they become when the engine launches the next forward on them.
         out = out._replace(tokens=jax.lax.with_sharding_constraint(out.tokens, replicated(self.mesh)))
         return jax.lax.with_sharding_constraint(penalties, self.penalty_sharding()), out
+
+    def hidden_sharding(self, num_tokens: int) -> NamedSharding:
+        """Where the forward leaves the hidden states [T, D]: split by token under sequence parallelism (as
+        `_forward` splits the step), whole otherwise."""
+        seq = axis_size(self.mesh, "seq")
+        return NamedSharding(self.mesh, P("seq" if seq > 1 and num_tokens % seq == 0 else None, None))
 
     def logits_sharding(self) -> NamedSharding:
         """Where a step's logits [S, V] live between the forward and the sampler."""
@@ -303,8 +322,7 @@ class ModelRunner:
 
     def _prompt_logprobs(self, weights: Any, hidden: jax.Array, next_ids: jax.Array) -> PromptLogprobs:
         """Prompt logprobs of every position, PROMPT_LOGPROB_CHUNK positions at a time: the [T, V] fp32
-        logits and their log-softmax/top-k temporaries at once took 11.8 GiB for T = 4096, V = 128k, and
-        XLA reserves a cond's largest branch in every step whether it runs or not."""
+        logits and their log-softmax/top-k temporaries at once took 11.8 GiB for T = 4096, V = 128k."""
         t = hidden.shape[0]
         c = min(t, PROMPT_LOGPROB_CHUNK)  # T is a power-of-two bucket, so c divides it
         chunks = (hidden.reshape(t // c, c, hidden.shape[-1]), next_ids.reshape(t // c, c))  # [T/C, C, D], [T/C, C]
@@ -370,10 +388,12 @@ class ModelRunner:
         return penalties, out
 
     def step(self, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs) -> tuple[PenaltyState, StepOutput]:
-        """Forward + sampling; the cache and the penalty state are updated in place (donated)."""
+        """Forward + sampling (+ prompt logprobs when `inputs` asks); the cache and the penalty state are updated
+        in place (donated)."""
         step = self.forward(batch, ForwardInputs.of(inputs))
         penalties, sampled = self.sample(penalties, step.logits, inputs.sampling, inputs.slots, inputs.sample_mask)
-        return penalties, StepOutput(sampled, step.prompt, step.expert_counts)
+        prompt = self.prompt_logprobs(step.hidden, inputs.prompt_next_ids) if inputs.want_prompt_logprobs else None
+        return penalties, StepOutput(sampled, prompt, step.expert_counts)
 
     def forward(self, batch: StepBatch, fwd: ForwardInputs) -> StepLogits:
         """The model half of a step (`_forward_step_impl`); the cache is updated in place (donated)."""
@@ -385,6 +405,10 @@ class ModelRunner:
         """The sampler half of a step over `forward`'s logits (see `_sample_logits_impl`); the penalty state is
         updated in place (donated)."""
         return self._dispatch("sample", (penalties, logits, sampling, slots, sample_mask), {})
+
+    def prompt_logprobs(self, hidden: jax.Array, next_ids: jax.Array) -> PromptLogprobs:
+        """Prompt logprobs [T] of every position of a forward's `hidden` [T, D] (`_prompt_logprobs`)."""
+        return self._dispatch("prompt", (self.weights, hidden, next_ids), {})
 
     def verify(self, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs, spec: VerifyInputs
                ) -> tuple[PenaltyState, VerifyStepOutput]:
@@ -406,7 +430,7 @@ class ModelRunner:
 
     def _key(self, kind: str, args: tuple[Any, ...], static: dict[str, Any]) -> tuple[Any, ...]:
         # Weights and cache (args 0, 1 of the stateful kinds) never change shape; the rest is small leaves.
-        shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(args if kind in self._stateless else args[2:]))
+        shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(args[self._own_args.get(kind, 2):]))
         return (kind, shapes, tuple(sorted(static.items())))
 
     def _dispatch(self, kind: str, args: tuple[Any, ...], static: dict[str, Any]) -> Any:
@@ -429,10 +453,12 @@ class ModelRunner:
             # used under a shard_map (the structured-output bitmask) would be compiled for a split layout that
             # the replicated arguments of a real step then fail to match.
             placed = self.place(tuple(rest))
-            args = placed if kind in self._stateless else (self.weights, self.kv_cache, *placed)
+            args = (self.weights, self.kv_cache)[: self._own_args.get(kind, 2)] + placed
             key = self._key(kind, args, static)
             if key not in self._executables:
                 lowered.append((key, self._jitted(kind).lower(*args, **static)))
+                if kind == "forward":  # and the prompt-logprob program over its hidden states
+                    lowered.extend(self._lower_prompt(lowered[-1][1].out_info[1].hidden))
         if not lowered:
             return
         traced = time.perf_counter()
@@ -442,6 +468,14 @@ class ModelRunner:
         self._executables.update((key, exe) for (key, _), exe in zip(lowered, executables))
         self.precompile_times = {"executables": len(lowered), "threads": threads, "trace_s": traced - start,
                                  "compile_s": time.perf_counter() - traced}
+
+    def _lower_prompt(self, hidden: jax.ShapeDtypeStruct) -> list[tuple[tuple[Any, ...], Any]]:
+        """The prompt-logprob program lowered for a forward's hidden states [T, D], unless compiled already."""
+        t = hidden.shape[0]
+        args = (self.weights, jax.ShapeDtypeStruct(hidden.shape, hidden.dtype, sharding=self.hidden_sharding(t)),
+                jax.ShapeDtypeStruct((t,), jnp.int32, sharding=replicated(self.mesh)))
+        key = self._key("prompt", args, {})
+        return [] if key in self._executables else [(key, self._prompt_step.lower(*args))]
 
     def logits(self, batch: StepBatch) -> jax.Array:
         """Run the model on `batch`, update the cache in place, return float32 logits [S, V]."""
@@ -484,11 +518,3 @@ def decode_metadata(
         page_indices=page_indices, num_seqs=num_seqs,
     )
 
-
-def _empty_prompt_logprobs(num_tokens: int) -> PromptLogprobs:
-    return PromptLogprobs(
-        logprobs=jnp.zeros(num_tokens, jnp.float32),
-        top_ids=jnp.zeros((num_tokens, MAX_LOGPROBS), jnp.int32),
-        top_logprobs=jnp.zeros((num_tokens, MAX_LOGPROBS), jnp.float32),
-        ranks=jnp.zeros(num_tokens, jnp.int32),
-    )
