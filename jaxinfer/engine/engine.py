@@ -196,7 +196,10 @@ class Engine:
             if shape.seqs not in sampler_rows:  # the sampler's shapes depend on the rows only
                 sampler_rows.add(shape.seqs)
                 logits = self.runner.example_logits(shape.seqs)
-                calls.append(("sample", (self.penalties, logits, inputs.sampling, inputs.slots, inputs.sample_mask), {}))
+                args = (self.penalties, logits, inputs.sampling, inputs.slots, inputs.sample_mask)
+                calls.append(("sample", args, {}))
+                if self.runner.branch_free_sampler:
+                    calls.append(("sample", args, {"branch_free": True}))
         draft_calls = []
         if self.spec is not None:
             verify_calls, draft_calls = self.spec.warmup_calls()

@@ -35,7 +35,7 @@ from jaxinfer.engine.batcher import BatchShape
 from jaxinfer.engine.decode_loop import HANDOFF_SWITCH_INTERVAL_S
 from jaxinfer.engine.page_table import TRASH_PAGE
 from jaxinfer.engine.runner import ForwardInputs, SampleInputs, StepBatch, StepLogits
-from jaxinfer.engine.sampling import PenaltyState, PromptLogprobs, SamplerOutput
+from jaxinfer.engine.sampling import PenaltyState, PromptLogprobs, SamplerOutput, branch_free_applies
 from jaxinfer.engine.scheduler import ScheduledSeq, StepPlan
 from jaxinfer.outputs import RequestOutput
 
@@ -116,6 +116,8 @@ class StepPipeline:
         next forward if the pipeline may go on, then read the tokens and hand them to the requests."""
         engine = self.engine
         t = time.perf_counter()
+        # No branch in the sampler, where it would hold up the launch of the next forward (sampling._when).
+        branch_free = engine.runner.branch_free_sampler and branch_free_applies(inputs.sampling)
         placed = engine.runner.place((inputs.sampling, inputs.slots, inputs.sample_mask))
         # Prompt logprobs are [T, K] per step: computed (and copied to the host) only in steps that ask.
         prompt_ids = engine.runner.place(inputs.prompt_next_ids) if inputs.want_prompt_logprobs else None
@@ -124,7 +126,8 @@ class StepPipeline:
         sampled: Future[_Sampled] = Future()
         # One job samples and then launches the next forward at once: the launcher thread must not wait for
         # the GIL between the two while this thread turns tokens into text.
-        launched = self._submit(self._sample_then_forward, sampled, forward, penalties, placed, prompt_ids, ahead)
+        launched = self._submit(self._sample_then_forward, sampled, forward, penalties, placed, branch_free,
+                                prompt_ids, ahead)
         if ahead is not None:
             self.ahead = _Ahead(ahead[0], shape, launched)
         self._gil_handoff(self.ahead is not None)
@@ -174,7 +177,8 @@ class StepPipeline:
 
     def _sample_then_forward(
         self, sampled: Future[_Sampled], forward: Future[StepLogits], penalties: PenaltyState,
-        placed: tuple[Any, ...], prompt_ids: jax.Array | None, ahead: tuple[StepPlan, StepBatch, ForwardInputs] | None,
+        placed: tuple[Any, ...], branch_free: bool, prompt_ids: jax.Array | None,
+        ahead: tuple[StepPlan, StepBatch, ForwardInputs] | None,
     ) -> StepLogits | None:
         """On the launcher: the sampler over `forward`'s logits and, when `prompt_ids` are given, the prompt
         logprobs over its hidden states (their results into `sampled`), then the forward of the step planned
@@ -182,7 +186,7 @@ class StepPipeline:
         runner = self.engine.runner
         try:
             step = forward.result()
-            penalties, out = runner.sample(penalties, step.logits, *placed)
+            penalties, out = runner.sample(penalties, step.logits, *placed, branch_free=branch_free)
             prompt = runner.prompt_logprobs(step.hidden, prompt_ids) if prompt_ids is not None else None
         except BaseException as e:
             sampled.set_exception(e)

@@ -188,7 +188,12 @@ class ModelRunner:
         # next forward before it has read this step's tokens (pipelined single steps, pipeline.py).
         self._forward_step = jax.jit(functools.partial(self._forward_step_impl, attn_fn=attn_fn), donate_argnums=(1,),
                                      compiler_options=NO_COMMAND_BUFFERS)
-        self._sample_logits = jax.jit(self._sample_logits_impl, donate_argnums=(0,), compiler_options=NO_COMMAND_BUFFERS)
+        self._sample_logits = jax.jit(self._sample_logits_impl, donate_argnums=(0,), static_argnames=("branch_free",),
+                                      compiler_options=NO_COMMAND_BUFFERS)
+        # On GPUs the single-step sampler has a second build without `lax.cond` (sampling.sample's
+        # `branch_free`), for the steps it serves: there a cond makes the host wait for the device (see
+        # `sampling._when`). Elsewhere a cond costs no host round trip, and one build serves every step.
+        self.branch_free_sampler = mesh.devices.flat[0].platform == "gpu"
         self._decode_steps = jax.jit(
             functools.partial(self._decode_steps_impl, attn_fn=attn_fn),
             donate_argnums=(1, 2),
@@ -271,11 +276,11 @@ class ModelRunner:
 
     def _sample_logits_impl(
         self, penalties: PenaltyState, logits: jax.Array, sampling: SamplingArrays, slots: jax.Array,
-        sample_mask: jax.Array,
+        sample_mask: jax.Array, *, branch_free: bool = False,
     ) -> tuple[PenaltyState, SamplerOutput]:
         """The sampler half of a step: logits [S, V] -> one token per row; the rows' output counts advance."""
         rows = jax.tree.map(lambda a: a[slots], penalties)  # [S, ...] this step's rows
-        out = sample(logits, sampling, rows, vocab=self.vocab)
+        out = sample(logits, sampling, rows, vocab=self.vocab, branch_free=branch_free)
         rows = update_output_counts(rows, out.tokens, sample_mask)
         penalties = set_rows(penalties, slots, rows)
         # Replicated like the host token ids they become when the engine launches the next forward on them.
@@ -401,10 +406,12 @@ class ModelRunner:
         return out
 
     def sample(self, penalties: PenaltyState, logits: jax.Array, sampling: SamplingArrays, slots: jax.Array,
-               sample_mask: jax.Array) -> tuple[PenaltyState, SamplerOutput]:
+               sample_mask: jax.Array, branch_free: bool = False) -> tuple[PenaltyState, SamplerOutput]:
         """The sampler half of a step over `forward`'s logits (see `_sample_logits_impl`); the penalty state is
-        updated in place (donated)."""
-        return self._dispatch("sample", (penalties, logits, sampling, slots, sample_mask), {})
+        updated in place (donated). `branch_free` only where `branch_free_sampler` and the host arrays of
+        `sampling` pass `sampling.branch_free_applies`."""
+        static = {"branch_free": True} if branch_free else {}
+        return self._dispatch("sample", (penalties, logits, sampling, slots, sample_mask), static)
 
     def prompt_logprobs(self, hidden: jax.Array, next_ids: jax.Array) -> PromptLogprobs:
         """Prompt logprobs [T] of every position of a forward's `hidden` [T, D] (`_prompt_logprobs`)."""

@@ -372,26 +372,36 @@ class PromptLogprobs(NamedTuple):
     ranks: jax.Array  # [T] i32 1-based rank of the actual next token
 
 
-def process_logits(logits: jax.Array, arrays: SamplingArrays, penalties: PenaltyState | None = None) -> jax.Array:
+def process_logits(logits: jax.Array, arrays: SamplingArrays, penalties: PenaltyState | None = None,
+                   branch_free: bool = False) -> jax.Array:
     """Logit bias -> penalties -> min_tokens suppression, on [S, V] f32. NaN becomes -inf so a broken row
-    cannot poison the argmax."""
+    cannot poison the argmax. `branch_free`: see `_when`."""
     x = jnp.where(jnp.isnan(logits), -jnp.inf, logits.astype(jnp.float32))  # [S, V]
     x = _apply_logit_bias(x, arrays.bias_ids, arrays.bias_values)
     if penalties is not None:
-        x = _apply_penalties_if_any(x, arrays, penalties)
+        x = _apply_penalties_if_any(x, arrays, penalties, branch_free)
     x = _suppress_stop_ids(x, arrays)
-    return apply_token_masks(x, arrays)
+    return apply_token_masks(x, arrays, branch_free)
 
 
-def apply_token_masks(x: jax.Array, arrays: SamplingArrays) -> jax.Array:
+def _when(pred: jax.Array, apply: Callable[[], Any], skip: Callable[[], Any], branch_free: bool) -> Any:
+    """`apply()` where `pred` holds, else `skip()`, as a `lax.cond`; with `branch_free`, `apply()` always, for
+    passes that leave a row they do not concern exactly as it was. XLA's GPU runtime reads a conditional's
+    predicate back to the host, so the host cannot queue the next program until the device reached it: the
+    pipelined single steps (pipeline.py) launch the next forward right behind the sampler only when it has none."""
+    return apply() if branch_free else lax.cond(pred, apply, skip)
+
+
+def apply_token_masks(x: jax.Array, arrays: SamplingArrays, branch_free: bool = False) -> jax.Array:
     """Ban tokens by request (after bias and penalties, so nothing can lift a ban): bad words whose prefix the
     row just generated lose their last token, rows with allowed_token_ids keep only those, and rows under a
     structured-output grammar keep only what its bitmask allows. Data in the arrays, so no request recompiles
     the step."""
-    return _apply_bitmask(_apply_allowed_ids(_apply_bad_words(x, arrays), arrays), arrays.token_bitmask)
+    x = _apply_allowed_ids(_apply_bad_words(x, arrays), arrays, branch_free)
+    return _apply_bitmask(x, arrays.token_bitmask, branch_free)
 
 
-def _apply_bitmask(x: jax.Array, bitmask: jax.Array) -> jax.Array:
+def _apply_bitmask(x: jax.Array, bitmask: jax.Array, branch_free: bool = False) -> jax.Array:
     """Tokens whose bit is 0 become -inf. The [S, V] unpacking runs only in steps where some row has a cleared
     bit (`lax.cond`), so batches without structured output pay one [S, V/32] comparison."""
 
@@ -399,7 +409,7 @@ def _apply_bitmask(x: jax.Array, bitmask: jax.Array) -> jax.Array:
         allowed = _unpack_bits(lax.bitcast_convert_type(bitmask, jnp.uint32), x.shape[1])  # [S, V]
         return jnp.where(allowed, x, -jnp.inf)  # [S, V]
 
-    return lax.cond(jnp.any(bitmask != -1), restrict, lambda: x)
+    return _when(jnp.any(bitmask != -1), restrict, lambda: x, branch_free)
 
 
 def _apply_bad_words(x: jax.Array, arrays: SamplingArrays) -> jax.Array:
@@ -411,7 +421,7 @@ def _apply_bad_words(x: jax.Array, arrays: SamplingArrays) -> jax.Array:
     return x.at[rows, ids].set(-jnp.inf, mode="drop")  # [S, V]
 
 
-def _apply_allowed_ids(x: jax.Array, arrays: SamplingArrays) -> jax.Array:
+def _apply_allowed_ids(x: jax.Array, arrays: SamplingArrays, branch_free: bool = False) -> jax.Array:
     """The [S, V] mask is built only in steps where some row has allowed_token_ids (`lax.cond`)."""
     on = arrays.allowed_ids[:, 0] >= 0  # [S]
 
@@ -421,7 +431,7 @@ def _apply_allowed_ids(x: jax.Array, arrays: SamplingArrays) -> jax.Array:
         allowed = jnp.zeros(x.shape, bool).at[rows, ids].set(True, mode="drop")  # [S, V]
         return jnp.where(on[:, None] & ~allowed, -jnp.inf, x)  # [S, V]
 
-    return lax.cond(jnp.any(on), restrict, lambda: x)
+    return _when(jnp.any(on), restrict, lambda: x, branch_free)
 
 
 def _row_scatter_ids(ids: jax.Array, use: jax.Array, vocab_size: int) -> jax.Array:
@@ -447,10 +457,12 @@ def _apply_penalties(x: jax.Array, arrays: SamplingArrays, penalties: PenaltySta
     return x - arrays.presence_penalty[:, None] * in_output.astype(jnp.float32)  # [S, V]
 
 
-def _apply_penalties_if_any(x: jax.Array, arrays: SamplingArrays, penalties: PenaltyState) -> jax.Array:
-    """Skip the O(S*V) penalty pass at run time when no row of the batch uses a penalty (the common case)."""
+def _apply_penalties_if_any(x: jax.Array, arrays: SamplingArrays, penalties: PenaltyState,
+                            branch_free: bool = False) -> jax.Array:
+    """Skip the O(S*V) penalty pass at run time when no row of the batch uses a penalty (the common case). A
+    row without penalties comes through the pass exactly: x / 1, x * 1, x - 0 * count and x - 0 * seen are x."""
     active = (arrays.repetition_penalty != 1) | (arrays.presence_penalty != 0) | (arrays.frequency_penalty != 0)
-    return lax.cond(jnp.any(active), lambda: _apply_penalties(x, arrays, penalties), lambda: x)  # [S, V]
+    return _when(jnp.any(active), lambda: _apply_penalties(x, arrays, penalties), lambda: x, branch_free)  # [S, V]
 
 
 def _suppress_stop_ids(x: jax.Array, arrays: SamplingArrays) -> jax.Array:
@@ -576,10 +588,13 @@ def _top_k_top_p_threshold(z: jax.Array, top_k: jax.Array, top_p: jax.Array, k_o
 
 
 def _filter_threshold(z: jax.Array, arrays: SamplingArrays, greedy: jax.Array, num_candidates: int,
-                      vocab: VocabShards | None) -> jax.Array:
-    """One threshold [S] on z combining top-k, top-p and min-p; tokens with z >= threshold stay."""
+                      vocab: VocabShards | None, top_k_top_p: bool = True) -> jax.Array:
+    """One threshold [S] on z combining top-k, top-p and min-p; tokens with z >= threshold stay. Without
+    `top_k_top_p` (no row of the batch uses them: `branch_free_applies`) only min-p is computed."""
     # min-p keeps p >= min_p * p_max, i.e. z >= z_max + log(min_p); log(0) = -inf switches it off.
     thresh_min_p = jnp.max(z, axis=-1) + jnp.log(arrays.min_p)  # [S]
+    if not top_k_top_p:
+        return thresh_min_p
     k_on = (arrays.top_k > 0) & ~greedy  # [S] greedy rows never need the candidate work
     p_on = (arrays.top_p < 1.0) & ~greedy  # [S]
     thresh_kp = lax.cond(
@@ -602,11 +617,11 @@ def _gumbel_noise(key_data: jax.Array, step: jax.Array, vocab_size: int) -> jax.
 
 
 def _sample_random(x: jax.Array, arrays: SamplingArrays, greedy: jax.Array, num_candidates: int,
-                   vocab: VocabShards | None) -> jax.Array:
+                   vocab: VocabShards | None, top_k_top_p: bool = True) -> jax.Array:
     """Temperature, filtering and Gumbel-max on processed logits x [S, V]; greedy rows take argmax(x)."""
     temperature = jnp.where(greedy, 1.0, arrays.temperature)  # [S] greedy rows: no division by ~0
     z = x / temperature[:, None]  # [S, V]
-    keep = z >= _filter_threshold(z, arrays, greedy, num_candidates, vocab)[:, None]  # [S, V]
+    keep = z >= _filter_threshold(z, arrays, greedy, num_candidates, vocab, top_k_top_p)[:, None]  # [S, V]
     noisy = jnp.where(keep, z + _gumbel_noise(arrays.key_data, arrays.step, x.shape[1]), -jnp.inf)  # [S, V]
     # An all -inf row (everything banned) has argmax 0: still a valid token id.
     return jnp.where(greedy, jnp.argmax(x, axis=-1), jnp.argmax(noisy, axis=-1)).astype(jnp.int32)  # [S]
@@ -623,6 +638,8 @@ def _logprob_outputs(logits: jax.Array, ids: jax.Array, k: int, want_top: jax.Ar
     chosen = _take_rows(raw, jnp.clip(ids, 0, raw.shape[1] - 1))  # [S]
     ranks = 1 + jnp.sum(raw > chosen[:, None], axis=-1, dtype=jnp.int32)  # [S]
     k = min(k, raw.shape[1])
+    if want_top is False:  # known when traced: no row asks for alternatives
+        return chosen, jnp.zeros((raw.shape[0], k), jnp.int32), jnp.zeros((raw.shape[0], k), raw.dtype), ranks
     top_logprobs, top_ids = lax.cond(
         want_top,
         lambda: tuple(_top_k(raw, k, vocab)),
@@ -633,20 +650,37 @@ def _logprob_outputs(logits: jax.Array, ids: jax.Array, k: int, want_top: jax.Ar
 
 def sample(logits: jax.Array, arrays: SamplingArrays, penalties: PenaltyState | None = None, *,
            max_logprobs: int = MAX_LOGPROBS, num_candidates: int = NUM_CANDIDATES,
-           vocab: VocabShards | None = None) -> SamplerOutput:
+           vocab: VocabShards | None = None, branch_free: bool = False) -> SamplerOutput:
     """Sample one token per row of logits [S, V]. Jittable; `max_logprobs`, `num_candidates` and `vocab`
     (how the logits' vocabulary is split over devices, if at all) are static, every knob in `arrays` is
-    data. `penalties=None` statically skips the penalty pass."""
-    x = process_logits(logits, arrays, penalties)  # [S, V]
+    data. `penalties=None` statically skips the penalty pass.
+
+    `branch_free` (static): the same tokens and logprobs with no `lax.cond` in the program, for batches where
+    `branch_free_applies` (no top-k, top-p or top logprobs in any row): the passes a cond would skip run on
+    every row, which they leave as they were, and the Gumbel noise is drawn even for an all-greedy batch."""
+    x = process_logits(logits, arrays, penalties, branch_free)  # [S, V]
     greedy = arrays.temperature < GREEDY_EPS  # [S]
-    tokens = lax.cond(
-        jnp.all(greedy),  # an all-greedy batch skips the RNG and filtering entirely
-        lambda: jnp.argmax(x, axis=-1).astype(jnp.int32),
-        lambda: _sample_random(x, arrays, greedy, num_candidates, vocab),
-    )  # [S]
-    want_top = jnp.any(arrays.num_top_logprobs > 0)
+    if branch_free:
+        tokens = _sample_random(x, arrays, greedy, num_candidates, vocab, top_k_top_p=False)  # [S]
+        want_top: jax.Array | bool = False
+    else:
+        tokens = lax.cond(
+            jnp.all(greedy),  # an all-greedy batch skips the RNG and filtering entirely
+            lambda: jnp.argmax(x, axis=-1).astype(jnp.int32),
+            lambda: _sample_random(x, arrays, greedy, num_candidates, vocab),
+        )  # [S]
+        want_top = jnp.any(arrays.num_top_logprobs > 0)
     logprobs, top_ids, top_logprobs, ranks = _logprob_outputs(logits, tokens, max_logprobs, want_top, vocab)
     return SamplerOutput(tokens, logprobs, top_ids, top_logprobs, ranks)
+
+
+def branch_free_applies(arrays: SamplingArrays) -> bool:
+    """Whether `sample(..., branch_free=True)` serves these host arrays: no sampled row uses top-k or top-p
+    and no row asks for top logprobs (the passes that stay behind a cond: candidate top-k, bisection, the
+    logprob top-k, each too dear to run in every step)."""
+    greedy = np.asarray(arrays.temperature) < GREEDY_EPS
+    filtered = ((np.asarray(arrays.top_k) > 0) | (np.asarray(arrays.top_p) < 1.0)) & ~greedy
+    return not filtered.any() and not (np.asarray(arrays.num_top_logprobs) > 0).any()
 
 
 def compute_prompt_logprobs(logits: jax.Array, next_ids: jax.Array, k: int,

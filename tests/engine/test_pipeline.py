@@ -115,6 +115,42 @@ def test_multi_step_engines_pipeline_only_structured_rows(smollm2_path) -> None:
     assert all(t in choices for t in texts[True])
 
 
+def test_branch_free_sampler_in_the_engine_changes_no_token(monkeypatch) -> None:
+    """The GPU build of the single-step sampler without branches (forced here on CPU), in the steps it serves,
+    gives the tokens and logprobs of the branching one: sampled rows with seeds, penalties and min-p, and greedy
+    rows; a row asking for top logprobs keeps its step on the branching build."""
+    runner = shared_runner(16)
+    params = [SamplingParams(temperature=0.9, seed=3 + i, max_tokens=20, ignore_eos=True, min_p=0.02 * i,
+                             repetition_penalty=1.2, presence_penalty=0.3 * i, logprobs=0) for i in range(3)]
+    params.append(SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True, logprobs=0))
+    builds: list[bool] = []
+    sample = runner.sample
+
+    def counted(*args, branch_free=False):
+        builds.append(branch_free)
+        return sample(*args, branch_free=branch_free)
+
+    monkeypatch.setattr(runner, "sample", counted)
+    runs = {}
+    for branch_free in (True, False):
+        monkeypatch.setattr(runner, "branch_free_sampler", branch_free)
+        engine = _engine(True)
+        outs = engine.generate(PROMPTS, params)
+        runs[branch_free] = [(o.token_ids, [lp[t].logprob for lp, t in zip(o.outputs[0].logprobs, o.token_ids)])
+                             for o in outs]
+        _check_clean(engine, True)
+        assert any(builds) == branch_free
+        builds.clear()
+    for (ids_a, lps_a), (ids_b, lps_b) in zip(runs[True], runs[False]):
+        assert ids_a == ids_b
+        np.testing.assert_allclose(lps_a, lps_b, atol=1e-6)
+    monkeypatch.setattr(runner, "branch_free_sampler", True)
+    engine = _engine(True)
+    engine.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=6, logprobs=2))
+    assert builds and not any(builds)  # top logprobs: the branching build
+    _check_clean(engine, True)
+
+
 @pytest.mark.parametrize("tp", [2])
 def test_tensor_parallel_pipeline_equals_one_device(tp: int) -> None:
     """Under TP the sampler's tokens go straight into the next forward: their sharding must be the one that
@@ -132,9 +168,10 @@ def test_tensor_parallel_pipeline_equals_one_device(tp: int) -> None:
 
 @pytest.mark.gpu
 def test_pipeline_on_gpu_with_the_platform_kernels() -> None:
-    """On a GPU the forward holds the Pallas attention kernel and syncs on branch predicates; launched from the
-    launcher thread ahead of the host, it must still give the tokens of the unpipelined engine (bf16, so the
-    comparison is engine against engine rather than against the float64 reference)."""
+    """On a GPU the forward holds the Pallas attention kernel and the sampler is the branch-free build; launched
+    from the launcher thread ahead of the host, they must still give the tokens of the unpipelined engine with the
+    branching sampler (bf16, so the comparison is engine against engine rather than against the float64
+    reference)."""
     import jax
 
     if jax.default_backend() != "gpu":
@@ -147,6 +184,9 @@ def test_pipeline_on_gpu_with_the_platform_kernels() -> None:
     for pipeline in (True, False):
         llm = LLM(cfg, random_weights=True, dtype="bfloat16", max_num_seqs=16, max_model_len=256,
                   decode_steps_per_call=1, overlap_decode=pipeline, use_tqdm=False)
+        assert llm.engine.runner.branch_free_sampler
+        # The unpipelined engine samples with the branching build: the branch-free one must agree with it.
+        llm.engine.runner.branch_free_sampler = pipeline
         runs[pipeline] = [o.token_ids for o in llm.generate(prompts, params)]
         stats = llm.engine_stats()
         assert (stats["num_pipelined_steps"] > 0) == pipeline and stats["num_compiles_after_warmup"] == 0

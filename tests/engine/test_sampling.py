@@ -507,3 +507,51 @@ def test_from_params_rejects_overflowing_rows():
         SamplingArrays.from_params([Params()] * 3, 2, 10)
     with pytest.raises(ValueError, match="logit_bias"):
         SamplingArrays.from_params([Params(logit_bias={i: 1.0 for i in range(3)})], 1, 10, max_logit_bias=2)
+
+
+# ---------------------------------------------------------------- the branch-free build (GPU single steps)
+
+
+def test_branch_free_sampler_equals_the_branching_one_and_has_no_conditional():
+    """`branch_free=True` (no lax.cond: on a GPU each one makes the host wait for the device) gives the same
+    tokens, logprobs and ranks for every batch `branch_free_applies` to: greedy and tempered rows, min-p, bias,
+    penalties, min_tokens, a grammar bitmask and allowed ids, padding rows; and for an all-greedy batch."""
+    from jaxinfer.engine.sampling import branch_free_applies
+
+    rng = np.random.default_rng(21)
+    params = [Params(temperature=0.0, top_k=5, top_p=0.5),  # greedy: its top-k/top-p are never used
+              Params(temperature=0.8, seed=1), Params(temperature=1.3, seed=2, min_p=0.05),
+              Params(temperature=0.7, seed=3, repetition_penalty=1.4, frequency_penalty=0.3, logit_bias={4: 3.0}),
+              Params(temperature=0.0, presence_penalty=0.8, min_tokens=3, stop_token_ids=(9,)),
+              Params(temperature=0.9, seed=5)]
+    prompts, outputs = [[1, 2], [3], [], [4, 4, 5], [6], [7]], [[8], [], [9, 9], [10], [2], []]
+    pen = PenaltyState.from_tokens(prompts, outputs, S, V)
+    bitmask = np.full((S, V // 32), -1, np.int32)
+    bitmask[1] = rng.integers(-2**31, 2**31, V // 32).astype(np.int32) | 1  # a grammar row (token 0 allowed)
+    bitmask[4, 0] = 0b1011
+    allowed = np.full((S, 3), -1, np.int32)
+    allowed[5] = [3, 17, 40]
+    sample_fn = jax.jit(sample, static_argnames=("num_candidates", "branch_free"))
+    for case in (params, [dataclasses.replace(p, temperature=0.0) for p in params]):
+        arrays = SamplingArrays.from_params(case, S, V, steps=[0, 1, 2, 3, 1, 0], eos_ids=[EOS])
+        arrays = dataclasses.replace(arrays, token_bitmask=bitmask, allowed_ids=allowed)
+        assert branch_free_applies(arrays)
+        for seed in range(3):
+            logits = random_logits(100 + seed, (S, V))
+            want = sample_fn(logits, arrays, pen, num_candidates=8)
+            got = sample_fn(logits, arrays, pen, num_candidates=8, branch_free=True)
+            for name, a, b in zip(SamplerOutput._fields, got, want):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+    hlo = sample_fn.lower(logits, arrays, pen, num_candidates=8, branch_free=True).compile().as_text()
+    assert " conditional(" not in hlo
+    assert " conditional(" in sample_fn.lower(logits, arrays, pen, num_candidates=8).compile().as_text()
+
+
+def test_branch_free_applies_only_without_top_k_top_p_or_top_logprobs():
+    from jaxinfer.engine.sampling import branch_free_applies
+
+    def applies(p: Params) -> bool:
+        return branch_free_applies(SamplingArrays.from_params([Params(), p], S, V))
+
+    assert applies(Params(temperature=0.0, top_k=3, top_p=0.2)) and applies(Params(min_p=0.1, logprobs=0))
+    assert not applies(Params(top_k=3)) and not applies(Params(top_p=0.9)) and not applies(Params(logprobs=1))
