@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import itertools
 import logging
 import queue
@@ -196,8 +197,18 @@ class AsyncLLM:
         finished = False
         try:
             await self._add(prompt, sampling_params, rid, priority)
+            combine = _combiner(sampling_params)
             while not finished:
                 out = await stream.get()
+                # A consumer that fell behind gets what queued up meanwhile as one output (as vLLM does): under
+                # load a server then writes one event per stream per turn of its loop, not one per token.
+                while combine is not None and not stream.empty() and isinstance(out, RequestOutput):
+                    nxt = stream.get_nowait()
+                    if isinstance(nxt, BaseException):
+                        yield out
+                        out = nxt
+                        break
+                    out = combine(out, nxt)
                 if isinstance(out, BaseException):
                     raise out
                 finished = out.finished
@@ -270,6 +281,38 @@ class AsyncLLM:
             await self.abort_all()
         self._stop.set()
         await asyncio.to_thread(self._thread.join, IDLE_WAIT_S * 4 + 30)
+
+
+def _combiner(params: Any) -> Callable[[RequestOutput, RequestOutput], RequestOutput] | None:
+    """How two outputs of one request in a row fold into one: the later one (CUMULATIVE), the two deltas joined
+    (DELTA); None when the kind cannot be told (nothing is combined then)."""
+    from jaxinfer.validation import Reject, RequestOutputKind, _output_kind
+
+    kind = params.get("output_kind") if isinstance(params, dict) else getattr(params, "output_kind", None)
+    try:
+        kind = RequestOutputKind.CUMULATIVE if kind is None else _output_kind(kind)
+    except Reject:
+        return None
+    if kind is RequestOutputKind.CUMULATIVE:
+        return lambda earlier, later: later
+    return join_deltas if kind is RequestOutputKind.DELTA else None
+
+
+def join_deltas(a: RequestOutput, b: RequestOutput) -> RequestOutput:
+    """Two DELTA outputs of one request, `a` then `b`, as the one output that would have carried both."""
+    by_index = {c.index: c for c in a.outputs}
+    outputs = []
+    for c in b.outputs:
+        first = by_index.pop(c.index, None)
+        if first is not None:
+            logprobs = c.logprobs if first.logprobs is None else first.logprobs + (c.logprobs or [])
+            c = dataclasses.replace(
+                c, text=first.text + c.text, token_ids=first.token_ids + c.token_ids, logprobs=logprobs,
+                delta_text=first.delta_text + c.delta_text, delta_token_ids=first.delta_token_ids + c.delta_token_ids)
+        outputs.append(c)
+    outputs.extend(by_index.values())  # a sequence only `a` spoke of
+    outputs.sort(key=lambda c: c.index)
+    return dataclasses.replace(b, outputs=outputs, prompt_logprobs=a.prompt_logprobs or b.prompt_logprobs)
 
 
 def is_error(out: RequestOutput) -> bool:

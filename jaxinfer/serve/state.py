@@ -134,6 +134,14 @@ async def merged(starts: list[tuple[RequestOutput | None, bool]],
         if out is not None:
             yield i, out
     live = [i for i, (_, more) in enumerate(starts) if more]
+    if len(gens) == 1:  # the common case: no task and queue between the stream and its reader
+        try:
+            if live:
+                async for out in gens[0]:
+                    yield 0, out
+        finally:
+            await gens[0].aclose()
+        return
     tasks = [asyncio.create_task(pump(i, gens[i])) for i in live]
     try:
         remaining = len(tasks)

@@ -109,3 +109,37 @@ def test_abort_and_early_exit_free_pages_while_loop_stays_responsive(tiny_llm) -
     assert outs[-1].finished and outs[-1].outputs[0].finish_reason == "abort"
     assert stats["free_pages"] == stats["total_pages"] and stats["num_running"] == 0 and stats["num_waiting"] == 0
     assert ticks >= 5, "the event loop was blocked while the engine stepped"
+
+
+@pytest.mark.parametrize("kind", ["DELTA", "CUMULATIVE"])
+def test_a_consumer_that_falls_behind_gets_what_queued_up_as_one_output(tiny_llm, kind) -> None:
+    """A reader that sleeps between outputs gets fewer, larger ones, with nothing lost: DELTA outputs joined
+    (text, ids, logprobs), CUMULATIVE ones replaced by the latest; the whole equals the sync API's output."""
+    from jaxinfer.validation import RequestOutputKind
+
+    params = SamplingParams(max_tokens=24, temperature=0.8, seed=5, ignore_eos=True, logprobs=1, n=2,
+                            output_kind=RequestOutputKind[kind])
+    want = tiny_llm.generate(["Count with me:"], params)[0]
+
+    async def main():
+        llm = AsyncLLM.from_llm(tiny_llm)
+        outs = []
+        async for out in llm.generate("Count with me:", params, request_id="slow"):
+            outs.append(out)
+            await asyncio.sleep(0.05)  # the engine steps on meanwhile
+        await llm.shutdown()
+        return outs
+
+    outs = _run(main())
+    assert outs[-1].finished and 1 < len(outs) < 24
+    for index in range(2):
+        if kind == "DELTA":
+            chunks = [c for o in outs for c in o.outputs if c.index == index]
+            ids = [t for c in chunks for t in c.delta_token_ids]
+            text = "".join(c.delta_text for c in chunks)
+            logprobs = [lp for c in chunks for lp in c.logprobs or []]
+        else:
+            final = outs[-1].outputs[index]
+            ids, text, logprobs = final.token_ids, final.text, final.logprobs
+        assert ids == want.outputs[index].token_ids and text == want.outputs[index].text
+        assert [sorted(lp) for lp in logprobs] == [sorted(lp) for lp in want.outputs[index].logprobs]

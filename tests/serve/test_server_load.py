@@ -28,10 +28,13 @@ def _stream_lines(url: str, body: dict, out: list[str], started: threading.Event
 def test_503_when_waiting_queue_is_full_and_graceful_sigterm(tmp_path, tiny_model_yaml, smollm2_path) -> None:
     args = tiny_args(tiny_model_yaml, smollm2_path, "--max-waiting", "1", "--shutdown-timeout", "2")
     args[args.index("--max-num-seqs") + 1] = "1"
+    # A must still run when the third request comes: long enough (the 64 pages hold 1,024 tokens) that it cannot
+    # finish first on a loaded machine, which would let B run and the third request be admitted.
+    args[args.index("--max-model-len") + 1] = "1000"
     server = start_server(args, tmp_path / "server.log")
     try:
         url = server.url("/v1/completions")
-        long = {"model": "tiny", "prompt": "Once", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        long = {"model": "tiny", "prompt": "Once", "max_tokens": 990, "ignore_eos": True, "stream": True}
         a_lines: list[str] = []
         a_started = threading.Event()
         a = threading.Thread(target=_stream_lines, args=(url, long, a_lines, a_started))
@@ -40,12 +43,12 @@ def test_503_when_waiting_queue_is_full_and_graceful_sigterm(tmp_path, tiny_mode
         b_lines: list[str] = []
         b = threading.Thread(target=_stream_lines, args=(url, long, b_lines))
         b.start()
-        deadline = time.monotonic() + TIMEOUT
-        while time.monotonic() < deadline:  # B waits behind A
+        deadline, waiting = time.monotonic() + TIMEOUT, False
+        while not waiting and time.monotonic() < deadline:  # B waits behind A
             text = httpx.get(server.url("/metrics"), timeout=10).text
-            if 'jaxinfer:num_requests_waiting{model_name="tiny"} 1.0' in text:
-                break
+            waiting = 'jaxinfer:num_requests_waiting{model_name="tiny"} 1.0' in text
             time.sleep(0.05)
+        assert waiting, "B never waited behind A"
         r = httpx.post(url, json={**long, "stream": False}, timeout=TIMEOUT)
         assert r.status_code == 503
         assert r.json()["error"]["code"] == "server_overloaded" and r.json()["error"]["type"] == "server_error"
