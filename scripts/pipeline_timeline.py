@@ -4,11 +4,13 @@ Part 1, the host timeline: 64 prompts decode under a JSON schema while the engin
 time-stamped from outside (the runner's forward and sampler, the launcher's job, the engine thread's wait for
 the tokens). Prints medians over the steady state: the step period, the engine thread's wait for tokens and
 its host work between two waits, how long each device call takes to return to the host (a call that syncs on a
-branch predicate returns only when the device got there), and how late the launcher starts a job.
+branch predicate returns only when the device got there), how late the launcher starts a job, and the engine
+thread's time per step in the functions that make up its host work. `--cprofile N` adds a cProfile'd run.
 
 Part 2, device time with the host taken out: the same decode step's programs dispatched back to back, 20 calls
-each (forward alone, sampler alone with the all-allowed mask and with a grammar mask, forward + sampler, the
-multi-step loop per iteration), and the number of `conditional` ops in each compiled program.
+each (forward alone with the same and with new input buffers, sampler alone with the all-allowed mask and with
+a grammar mask, forward + sampler, the multi-step loop per iteration), how much a Python thread gets done while
+another waits in a device call (the GIL probe), and the number of `conditional` ops in each compiled program.
 
     PYTHONPATH=$PWD python3 scripts/pipeline_timeline.py --tokenizer serve_wheels/tokenizer
     # a quick try of the script on CPU:
