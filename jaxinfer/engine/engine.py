@@ -273,6 +273,7 @@ class Engine:
 
     def step(self) -> list[RequestOutput]:
         """Run one scheduling step; outputs of every request that advanced (finished ones included)."""
+        self.pipeline.hold_admission()
         if self.pipeline.ahead is not None:
             return self.pipeline.resume()
         if self.loop.inflight is None:

@@ -181,6 +181,8 @@ class Scheduler:
         self._reserved_slots = 0  # slots held for the not yet forked children of running n > 1 parents
         self._num_preemptions = 0
         self._no_prefix_lookup: set[str] = set()  # requests that must compute every prompt position
+        # Set by the engine for one step at a time: admit nothing now (the pipeline's admission waves).
+        self.hold_admission = False
 
     # ----------------------------------------------------------------------------------------- public API
 
@@ -219,7 +221,7 @@ class Scheduler:
         builder = _PlanBuilder(self.max_num_batched_tokens)
         self._schedule_running(builder, decodes=True)
         self._schedule_running(builder, decodes=False)
-        if not builder.preempted:
+        if not builder.preempted and not self.hold_admission:
             self._admit_waiting(builder)
         return builder.build()
 
@@ -306,15 +308,28 @@ class Scheduler:
 
     def decodes_only(self, keys: Collection[SeqKey]) -> bool:
         """What ``schedule()`` would plan next is one more decode of each of ``keys`` (pipelined single steps):
-        every running sequence is one of them and no waiting request could be admitted, because none waits or
-        the head of the queue finds no sequence slot (admission never preempts for a slot)."""
+        every running sequence is one of them and no waiting request could be admitted, because none waits, the
+        head of the queue finds no sequence slot (admission never preempts for a slot) or admission is held."""
         if not all(seq.key in keys for seq in self._running):
             return False
         head = self._peek_waiting()
-        if head is None:
+        if head is None or self.hold_admission:
             return True
         slots = self._groups[head.request_id].n if self._fork_pending(head) else 1
         return len(self._running) + self._reserved_slots + slots > self.max_num_seqs
+
+    @property
+    def num_free_slots(self) -> int:
+        """Sequence slots a waiting request could take now."""
+        return self.max_num_seqs - len(self._running) - self._reserved_slots
+
+    @property
+    def num_waiting(self) -> int:
+        return self._num_waiting
+
+    @property
+    def running_request_ids(self) -> set[str]:
+        return {seq.request_id for seq in self._running}
 
     def live(self, key: SeqKey) -> Sequence | None:
         """The sequence if it is still unfinished (not stopped, aborted or finished by length)."""

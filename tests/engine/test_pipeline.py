@@ -151,6 +151,40 @@ def test_branch_free_sampler_in_the_engine_changes_no_token(monkeypatch) -> None
     _check_clean(engine, True)
 
 
+def test_admission_waves_change_no_token_and_admit_in_fewer_steps(monkeypatch) -> None:
+    """While single steps are pipelined, a request that could be admitted is held back (at most
+    ADMISSION_WAVE_STEPS steps, or until an eighth of the slots is free) so that others join it: the tokens are
+    the reference's either way, and requests come in over fewer steps than with no hold (each row here finishes
+    on a step of its own, so without a hold every finish admits one prompt)."""
+    from jaxinfer.engine import pipeline
+    from jaxinfer.engine.scheduler import Scheduler
+
+    prompts = prompts_of([4 + i % 5 for i in range(24)], seed=3)
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + i, ignore_eos=True) for i in range(24)]
+    want = [reference_greedy(tuple(p), sp.max_tokens) for p, sp in zip(prompts, params)]
+    admit = Scheduler._try_admit
+    admitting_steps: dict[int, set[int]] = {}
+    waves = pipeline.ADMISSION_WAVE_STEPS
+    for wave_steps in (waves, 0):
+        monkeypatch.setattr(pipeline, "ADMISSION_WAVE_STEPS", wave_steps)
+        engine = Engine(shared_runner(16), None, EngineConfig(max_num_seqs=16, max_num_batched_tokens=64,
+                                                              max_model_len=MAX_LEN),
+                        CacheConfig(page_size=16), use_tqdm=False, decode_steps_per_call=1)
+        engine.warmup()
+        steps = admitting_steps[wave_steps] = set()
+
+        def counted(scheduler, seq, builder, engine=engine, steps=steps):
+            admitted = admit(scheduler, seq, builder)
+            if admitted:
+                steps.add(engine.num_steps)
+            return admitted
+
+        monkeypatch.setattr(Scheduler, "_try_admit", counted)
+        assert [o.token_ids for o in engine.generate(prompts, params)] == want
+        _check_clean(engine, True)
+    assert len(admitting_steps[waves]) < len(admitting_steps[0])
+
+
 @pytest.mark.parametrize("tp", [2])
 def test_tensor_parallel_pipeline_equals_one_device(tp: int) -> None:
     """Under TP the sampler's tokens go straight into the next forward: their sharding must be the one that
