@@ -49,7 +49,12 @@ class AsyncLLM:
     the `LLM` must not be used directly afterwards.
     """
 
-    def __init__(self, model: Any = None, *, llm: Any = None, **kwargs: Any) -> None:
+    def __init__(self, model: Any = None, *, llm: Any = None, stream_interval: int = 1, **kwargs: Any) -> None:
+        if isinstance(stream_interval, bool) or not isinstance(stream_interval, int) or stream_interval < 1:
+            from jaxinfer.errors import InvalidInput
+
+            raise InvalidInput(f"stream_interval must be an integer >= 1, got {stream_interval!r}.",
+                               field="stream_interval", value=stream_interval, accepted="an integer >= 1")
         if llm is None:
             from jaxinfer.llm import LLM
 
@@ -60,6 +65,8 @@ class AsyncLLM:
         self.tokenizer = llm.tokenizer
         self.model_config = llm.model_config
         engines = getattr(self.engine, "engines", [self.engine])
+        for engine in engines:  # a streamed request's output every `stream_interval` tokens (Engine.stream_interval)
+            engine.stream_interval = stream_interval
         self.max_model_len: int = engines[0].max_model_len
         self._engines = engines
         self._commands: queue.SimpleQueue[Callable[[], None]] = queue.SimpleQueue()
@@ -74,8 +81,8 @@ class AsyncLLM:
         self.on_outputs: Callable[[list[RequestOutput]], None] | None = None  # e.g. the server's metrics
 
     @classmethod
-    def from_llm(cls, llm: Any) -> AsyncLLM:
-        return cls(llm=llm)
+    def from_llm(cls, llm: Any, stream_interval: int = 1) -> AsyncLLM:
+        return cls(llm=llm, stream_interval=stream_interval)
 
     # ------------------------------------------------------------------------------------ the engine thread
 

@@ -38,7 +38,7 @@ def flags(engine: dict[str, Any]) -> list[str]:
 
 def start_server(args: argparse.Namespace, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", args.model, "--random-weights", "--port",
-           str(args.port), "--served-model-name", "bench", *flags(ENGINE)]
+           str(args.port), "--served-model-name", "bench", "--stream-interval", str(args.stream_interval), *flags(ENGINE)]
     if args.tokenizer:
         cmd += ["--tokenizer", args.tokenizer]
     print("starting:", " ".join(cmd), flush=True)
@@ -119,6 +119,7 @@ def main() -> None:
     p.add_argument("--port", type=int, default=8765)
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--out", default="bench_results/serve.json")
+    p.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval")
     p.add_argument("--structured-only", action="store_true",
                    help="only the structured run and its plain twin (no server-vs-offline comparison)")
     args = p.parse_args()

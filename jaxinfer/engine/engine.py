@@ -118,6 +118,10 @@ class Engine:
         self.runner, self.tokenizer, self.use_tqdm = runner, tokenizer, use_tqdm
         self.loop = DecodeLoop(self, _at_least_one("decode_steps_per_call", decode_steps_per_call), overlap_decode)
         self.pipeline = StepPipeline(self, overlap_decode)
+        # Streamed (DELTA/CUMULATIVE) requests get an output every this many tokens (and at their first and
+        # last): the server's --stream-interval. Each output is host work on this thread and an event on a
+        # server's loop, one per row per step for rows that decode one token per step (structured output).
+        self.stream_interval = 1
         self.out = OutputPath(self)
         self.compile_threads = compile_threads  # None: half the host's cores
         cfg = runner.cfg

@@ -123,14 +123,28 @@ class OutputPath:
         collect_prompt_logprobs(state, entry, out, offset, self.engine._token_texts.for_request(state))
 
     def emit(self, touched: dict[str, RequestState]) -> list[RequestOutput]:
-        """Outputs of the requests that advanced (FINAL_ONLY ones only when finished); finished ones leave."""
+        """Outputs of the requests that advanced (FINAL_ONLY ones only when finished; streamed ones as
+        `Engine.stream_interval` allows); finished ones leave."""
         outputs = []
+        interval = self.engine.stream_interval
         for rid, state in touched.items():
-            if state.finished or state.output_kind is not RequestOutputKind.FINAL_ONLY:
+            if state.finished or (state.output_kind is not RequestOutputKind.FINAL_ONLY
+                                  and (interval == 1 or self._interval_reached(state, interval))):
                 outputs.append(self.output(state))
             if state.finished:
                 del self.engine.requests[rid]
         return outputs
+
+    @staticmethod
+    def _interval_reached(state: RequestState, interval: int) -> bool:
+        """A streamed request's output is due: its first token (time to first token is not traded), or
+        `interval` tokens since the last one it was sent."""
+        generated = state.num_generated
+        if generated == state.num_emitted_tokens or (state.num_emitted_tokens and
+                                                     generated - state.num_emitted_tokens < interval):
+            return False
+        state.num_emitted_tokens = generated
+        return True
 
     def output(self, state: RequestState) -> RequestOutput:
         try:

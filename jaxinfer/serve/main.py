@@ -72,6 +72,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds requests in flight get to finish on SIGTERM before they are aborted")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--stream-interval", type=int, default=1,
+                   help="tokens per streamed event of a request, besides its first and last (default 1: every token; "
+                        "larger values cost less host time per token under load)")
     add_engine_flags(p)
 
 
@@ -92,6 +95,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise ValueError("--api-key must not be empty.")
     if args.shutdown_timeout < 0:
         raise ValueError(f"--shutdown-timeout must be >= 0, got {args.shutdown_timeout}.")
+    if args.stream_interval < 1:
+        raise ValueError(f"--stream-interval must be >= 1, got {args.stream_interval}.")
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -105,7 +110,7 @@ def serve(args: argparse.Namespace) -> int:
 
     check_args(args)
     resolve_llm_args(engine_kwargs(args))  # a bad engine flag fails before anything loads
-    llm = AsyncLLM(args.model, **engine_kwargs(args))
+    llm = AsyncLLM(args.model, stream_interval=args.stream_interval, **engine_kwargs(args))
     config = ServeConfig(served_model_name=args.served_model_name or str(args.model), api_key=args.api_key,
                          max_waiting=args.max_waiting, shutdown_timeout_s=args.shutdown_timeout)
     app = build_app(llm, config)

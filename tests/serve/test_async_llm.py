@@ -143,3 +143,28 @@ def test_a_consumer_that_falls_behind_gets_what_queued_up_as_one_output(tiny_llm
             ids, text, logprobs = final.token_ids, final.text, final.logprobs
         assert ids == want.outputs[index].token_ids and text == want.outputs[index].text
         assert [sorted(lp) for lp in logprobs] == [sorted(lp) for lp in want.outputs[index].logprobs]
+
+
+def test_stream_interval_sends_every_nth_token_and_loses_nothing(tiny_llm) -> None:
+    """stream_interval=4: a DELTA stream gets its first token at once, then an output every 4 tokens and the
+    last; joined, they are the sync API's text and ids. A bad interval is refused naming the field."""
+    from jaxinfer.validation import RequestOutputKind
+
+    params = SamplingParams(max_tokens=21, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA)
+    want = tiny_llm.generate(["Count with me:"], params)[0]
+
+    async def main():
+        llm = AsyncLLM.from_llm(tiny_llm, stream_interval=4)
+        outs = [out async for out in llm.generate("Count with me:", params, request_id="every-4")]
+        await llm.shutdown()
+        return outs
+
+    outs = _run(main())
+    tiny_llm.engine.stream_interval = 1
+    sizes = [len(o.outputs[0].delta_token_ids) for o in outs if o.outputs[0].delta_token_ids]
+    assert sizes[0] == 1 and all(n >= 4 for n in sizes[1:-1]) and sum(sizes) == 21
+    assert [t for o in outs for t in o.outputs[0].delta_token_ids] == want.token_ids
+    assert "".join(o.outputs[0].delta_text for o in outs) == want.text
+    with pytest.raises(InvalidInput) as err:
+        AsyncLLM.from_llm(tiny_llm, stream_interval=0)
+    assert err.value.field == "stream_interval"

@@ -65,7 +65,8 @@ def test_503_when_waiting_queue_is_full_and_graceful_sigterm(tmp_path, tiny_mode
     assert "Traceback" not in server.log_tail(20000)
 
 
-@pytest.mark.parametrize("flag", [["--port", "99999"], ["--max-num-seqs", "0"], ["--temperature", "1"]])
+@pytest.mark.parametrize("flag", [["--port", "99999"], ["--max-num-seqs", "0"], ["--temperature", "1"],
+                                  ["--stream-interval", "0"]])
 def test_bad_flags_are_one_line_and_exit_2(flag, tiny_model_yaml, smollm2_path) -> None:
     import subprocess
     import sys
