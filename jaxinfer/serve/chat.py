@@ -30,7 +30,6 @@ from jaxinfer.serve.state import (
     merged,
     new_id,
     run_to_end,
-    start_all,
     until_disconnected,
     usage,
 )
@@ -65,8 +64,8 @@ async def create_chat(state: ServerState, req: ChatRequest, request: Request) ->
     rid = req.request_id or new_id("chatcmpl")
     gens = [state.llm.generate(prompt, params, request_id=rid)]
     if req.stream:
-        starts = await start_all(gens, engine_rename(req))
-        return EventSourceResponse(_stream(state, req, rid, starts, gens), sep="\n", ping=0)
+        starts = await state.start_stream(gens, engine_rename(req))
+        return EventSourceResponse(state.stream(_stream(state, req, rid, starts, gens)), sep="\n", ping=0)
     (out,) = await until_disconnected(request, run_to_end(gens, engine_rename(req)))
     check_errors([out])
     choices = [{"index": c.index, "message": {"role": "assistant", "content": c.text},

@@ -27,7 +27,6 @@ from jaxinfer.serve.state import (
     merged,
     new_id,
     run_to_end,
-    start_all,
     until_disconnected,
     usage,
 )
@@ -66,9 +65,9 @@ async def create_completion(state: ServerState, req: CompletionRequest, request:
     rids = [rid if len(prompts) == 1 else f"{rid}-{i}" for i in range(len(prompts))]
     gens = [state.llm.generate(p, params, request_id=r) for p, r in zip(prompts, rids)]
     if req.stream:
-        starts = await start_all(gens, engine_rename(req))
+        starts = await state.start_stream(gens, engine_rename(req))
         events = _stream(state, req, rid, starts, gens)
-        return EventSourceResponse(events, sep="\n", ping=0)
+        return EventSourceResponse(state.stream(events), sep="\n", ping=0)
     outs = await until_disconnected(request, run_to_end(gens, engine_rename(req)))
     check_errors(outs)
     return JSONResponse(_response(state, req, rid, outs))

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import time
 import typing
 from typing import Any
 
@@ -151,7 +152,12 @@ def _uvicorn_server() -> type:
             self.should_exit = True  # stop accepting connections; open ones finish below
             await self.llm.drain(self.serve_state.config.shutdown_timeout_s)
             await self.llm.abort_all()
-            await self.llm.drain(5.0)  # the aborted streams send their last chunk and [DONE]
+            # The aborted streams send their last chunk and [DONE], including those of requests aborted while
+            # they still waited, whose responses start only now: sse-starlette would drop them unsent once
+            # told to exit.
+            deadline = time.monotonic() + 5.0
+            while (self.llm.num_streams or self.serve_state.open_streams) and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
             sse.AppStatus.should_exit = True
 
     return _GracefulServer

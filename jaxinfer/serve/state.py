@@ -41,7 +41,32 @@ class ServerState:
         self.metrics = ServerMetrics(async_llm, config.served_model_name)
         async_llm.on_outputs = self.metrics.on_outputs
         self.draining = False
+        self.open_streams = 0  # streamed responses handed to the ASGI server and not yet ended (`stream`)
         self.created = int(time.time())
+
+    async def start_stream(self, gens: list[AsyncIterator[RequestOutput]],
+                           rename: dict[str, str] | None = None) -> list[tuple[RequestOutput | None, bool]]:
+        """`start_all` for a streamed response, counted in `open_streams` from here until its events end
+        (`stream`): a shutdown waits for it, since the response of a request aborted while it still waited
+        starts only after the abort."""
+        self.open_streams += 1
+        try:
+            return await start_all(gens, rename)
+        except BaseException:
+            self.open_streams -= 1
+            raise
+
+    def stream(self, events: AsyncIterator[str]) -> AsyncIterator[str]:
+        """A streamed response's events; their end closes the count `start_stream` opened."""
+
+        async def counted() -> AsyncIterator[str]:
+            try:
+                async for event in events:
+                    yield event
+            finally:
+                self.open_streams -= 1
+
+        return counted()
 
     def check_model(self, model: str | None) -> None:
         """An absent model means the served one (as vLLM); any other name is a 404."""
