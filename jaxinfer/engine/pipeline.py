@@ -269,7 +269,8 @@ class StepPipeline:
         engine = self.engine
         if not running:
             return False
-        return engine.decode_steps_per_call == 1 or any(engine.requests[r].has_grammar for r in running)
+        return engine.decode_steps_per_call == 1 or any(
+            state is not None and state.has_grammar for state in map(engine.requests.get, running))
 
     def _no_extras(self, shape: BatchShape) -> ForwardInputs:
         """Forward inputs without page copies, kept on device per bucket."""
