@@ -129,22 +129,11 @@ class OutputPath:
         interval = self.engine.stream_interval
         for rid, state in touched.items():
             if state.finished or (state.output_kind is not RequestOutputKind.FINAL_ONLY
-                                  and (interval == 1 or self._interval_reached(state, interval))):
+                                  and (interval == 1 or _stream_output_due(state, interval))):
                 outputs.append(self.output(state))
             if state.finished:
                 del self.engine.requests[rid]
         return outputs
-
-    @staticmethod
-    def _interval_reached(state: RequestState, interval: int) -> bool:
-        """A streamed request's output is due: its first token (time to first token is not traded), or
-        `interval` tokens since the last one it was sent."""
-        generated = state.num_generated
-        if generated == state.num_emitted_tokens or (state.num_emitted_tokens and
-                                                     generated - state.num_emitted_tokens < interval):
-            return False
-        state.num_emitted_tokens = generated
-        return True
 
     def output(self, state: RequestState) -> RequestOutput:
         try:
@@ -152,3 +141,11 @@ class OutputPath:
         except Exception as e:  # noqa: BLE001
             self.fail(state, e)
             return state.error_output()
+
+
+def _stream_output_due(state: RequestState, interval: int) -> bool:
+    """A streamed request's output is due: its first token (time to first token is not traded), or `interval`
+    tokens since the last output, whose building left each sequence's `delta_tokens_start` at its length then."""
+    sent = sum(s.delta_tokens_start for s in state.seqs)
+    new = state.num_generated - sent
+    return new > 0 and (sent == 0 or new >= interval)

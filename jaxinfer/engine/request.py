@@ -72,7 +72,6 @@ class RequestState:
     prompt_logprobs_sent: bool = False  # DELTA outputs carry them once
     num_cached_tokens: int = 0
     error: str | None = None
-    num_emitted_tokens: int = 0  # tokens of all sequences as of the last streamed output (Engine.stream_interval)
     _wall_offset: float = dataclasses.field(default_factory=lambda: time.time() - time.monotonic())
 
     @property
