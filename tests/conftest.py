@@ -78,3 +78,26 @@ def text_llm(smollm2_path: Path):
                                                num_kv_heads=2, head_dim=16, tie_word_embeddings=False)
     return LLM(cfg, tokenizer=smollm2_path, **TEXT_LLM_KW)
 
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_memory_after_each_module():
+    """Hand a module's memory back to the system when it ends.
+
+    A worker runs dozens of modules, each building its own engines. Without this, dropped engines' compiled
+    programs stay in JAX's caches and glibc keeps the freed heap, so a worker grew to ~10 GB by the end of the
+    suite and the two of them, with the servers and multi-host processes the last modules start, ran a 24 GB CI
+    machine out of memory (a worker killed, the run hung). Measured on the engine and parity modules: a worker
+    ended at 4.6 GB without this and 1.8 GB with it."""
+    yield
+    import ctypes
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc: nothing to trim
+        pass
