@@ -36,8 +36,9 @@ def _quantization_args(p: argparse.ArgumentParser) -> None:
     """The weight and KV formats (docs/QUANTIZATION.md); checked by LLM's argument table, not argparse, so a
     bad value gets the same sentence here as from Python."""
     p.add_argument("--quantization", default=None,
-                   help="auto (a .gguf keeps its quantization) | none | int8 | int4 | fp8; int8:G / int4:G "
-                        "set the group size G")
+                   help="unset: auto, except on CPU, where a .gguf whose float weights take at most 1/8 of the "
+                        "memory is dequantized at load | auto (a .gguf keeps its quantization) | none | int8 | int4 | "
+                        "fp8; int8:G / int4:G set the group size G")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto | bfloat16 | float16 | float32 | fp8 | int8")
 
 
@@ -148,7 +149,9 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
     # The weights are quantized as they load (one weight at a time through the host), so what is saved is
     # exactly what LLM(..., quantization=...) would hold; the plan goes beside them to restore them as such.
-    llm = LLM(args.src, dtype=args.dtype, quantization=args.quantization, warmup=False, num_pages=2, use_tqdm=False)
+    # Unset means 'auto' here on every platform: a converted .gguf keeps its blocks (a CPU's float default is for
+    # running, not for what is written).
+    llm = LLM(args.src, dtype=args.dtype, quantization=args.quantization or "auto", warmup=False, num_pages=2, use_tqdm=False)
     path = save_checkpoint(args.dst, llm.model_config, llm.weights, llm.tokenizer, llm.quant_plan)
     print(f"wrote {path}")
     return 0

@@ -32,8 +32,8 @@ from jaxinfer.llm_args import DTYPE_NAMES, LLMArgs, check_model_limits, resolve_
 from jaxinfer.linear import Linear
 from jaxinfer.models import family_for_config, with_linear
 from jaxinfer.outputs import RequestOutput
-from jaxinfer.params import init_params
-from jaxinfer.platform import FIELDS as PLATFORM_FIELDS, announce, fill_defaults
+from jaxinfer.params import init_params, nbytes
+from jaxinfer.platform import FIELDS as PLATFORM_FIELDS, announce, default_quantization, fill_defaults
 from jaxinfer.quantization import QuantizationError, build_plan, check_platform, quantized_specs
 from jaxinfer.presets import BUNDLED, bundled_checkpoint, is_alias, load_preset
 from jaxinfer.sharding import make_mesh, mesh_rules
@@ -189,6 +189,11 @@ class LLM:
         self.replica_meshes = local_replicas(self.mesh)
         self.dtype = JNP_DTYPES[self.engine_config.dtype]
         self.kv_dtype, self.kv_quantized = kv_storage(args.kv_cache_dtype, self.dtype)
+        if args.quantization is None and not args.random_weights:  # the platform's choice, announced with the rest
+            float_bytes = nbytes(self.family.param_specs(self.model_config, self.dtype))
+            if (quantization := default_quantization(checkpoint, float_bytes)) is not None:
+                chosen["quantization"] = quantization
+                args = self.args = dataclasses.replace(args, quantization=quantization)
         self.quant_plan = self._quantization_plan(checkpoint, args)
         if self.draft is not None:  # its quantization checked too before any weight is loaded
             self.draft.prepare(self.replica_meshes[0], self.dtype)

@@ -10,8 +10,10 @@ from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
 
 pytestmark = pytest.mark.slow
 
-ENGINE_KW = dict(dtype="float32", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64, num_pages=96,
-                 page_size=16, attention_impl="reference", use_tqdm=False)
+# quantization="auto": the GGUF's blocks kept quantized (on CPU the default would dequantize them at load), so the
+# goldens pin the quantized path; float weights are pinned by the other parity modules.
+ENGINE_KW = dict(dtype="float32", quantization="auto", max_model_len=256, max_num_seqs=8, max_num_batched_tokens=64,
+                 num_pages=96, page_size=16, attention_impl="reference", use_tqdm=False)
 
 
 @pytest.fixture(scope="module")
@@ -79,7 +81,7 @@ def test_pallas_tpu_kernel_in_interpret_mode_gives_hf_greedy_tokens(smollm2_gold
 
 
 def test_gguf_kept_quantized_in_at_most_1_2x_the_file(llm: LLM, smollm2_path) -> None:
-    """quantization=None (auto) keeps the GGUF's blocks as the kernels' int4/int8 codes + scales: device bytes
+    """quantization="auto" keeps the GGUF's blocks as the kernels' int4/int8 codes + scales: device bytes
     stay near the file's, and kv_cache_bytes is exactly the cache allocated (the goldens above ran on this)."""
     from jaxinfer.kv_cache import bytes_per_page
     from jaxinfer.linear import is_quantized

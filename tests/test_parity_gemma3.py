@@ -14,8 +14,9 @@ from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
 
 pytestmark = pytest.mark.slow
 
-ENGINE_KW = dict(dtype="float32", max_model_len=768, max_num_seqs=8, max_num_batched_tokens=64, num_pages=160,
-                 page_size=16, attention_impl="reference", use_tqdm=False)
+# quantization="auto": the GGUF's blocks kept quantized (the CPU default would dequantize them at load).
+ENGINE_KW = dict(dtype="float32", quantization="auto", max_model_len=768, max_num_seqs=8, max_num_batched_tokens=64,
+                 num_pages=160, page_size=16, attention_impl="reference", use_tqdm=False)
 LOGITS_PAGES = list(range(110, 160))  # pages above what the engine hands out in this module's tests
 
 
@@ -86,7 +87,7 @@ def test_logits_of_first_decode_steps_within_1e4(llm: LLM, gemma3_golden: dict) 
 
 
 def test_gguf_kept_quantized_in_at_most_1_2x_the_file(llm: LLM, gemma3_path) -> None:
-    """quantization=None (auto) keeps the GGUF's blocks as the kernels' int4/int8 codes + scales: device bytes
+    """quantization="auto" keeps the GGUF's blocks as the kernels' int4/int8 codes + scales: device bytes
     stay near the file's, and kv_cache_bytes is exactly the cache allocated (the goldens above ran on this)."""
     from jaxinfer.kv_cache import bytes_per_page
     from jaxinfer.linear import is_quantized

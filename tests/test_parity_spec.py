@@ -72,7 +72,7 @@ def test_quantized_self_draft_under_tensor_parallel_3_equals_hf(smollm2_golden: 
     HF's tokens, and the int4 draft agrees with its float target nearly always."""
     spec = {**SELF_DRAFT, "draft_tensor_parallel_size": 1}
     llm = _always_speculate(LLM("smollm2-135m-instruct", tensor_parallel_size=3, speculative=spec,
-                                quantization="none", **KW))
+                                **{**KW, "quantization": "none"}))
     assert len(llm.engine.spec.draft.runner.mesh.devices.flat) == 1
     assert not llm.quant_plan and llm.draft.plan  # float target, quantized draft
     _check_goldens(llm, smollm2_golden["greedy"])

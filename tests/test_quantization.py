@@ -183,3 +183,40 @@ def test_convert_writes_a_quantized_checkpoint_that_restores_quantized_with_iden
     assert [o.token_ids for o in restored.generate(prompts, params)] == want
     with pytest.raises(InvalidInput, match="already quantized"):
         LLM(str(tmp_path / "q"), quantization="int8", **engine)
+
+
+# ----------------------------------------------------------------------------- the platform's default
+
+
+def test_default_quantization_dequantizes_only_a_gguf_that_fits_on_a_cpu() -> None:
+    import os
+
+    from jaxinfer.platform import default_quantization
+
+    gguf = types.SimpleNamespace(quantization_plan=lambda specs: ({}, {}))
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    assert default_quantization(gguf, host // 8, "cpu") == "none"
+    assert default_quantization(gguf, host // 8 + 1, "cpu") is None  # kept quantized so that it still fits
+    assert default_quantization(gguf, 1, "gpu") is None and default_quantization(gguf, 1, "tpu") is None
+    assert default_quantization(types.SimpleNamespace(), 1, "cpu") is None  # safetensors / orbax: as stored
+
+
+def test_cpu_default_dequantizes_the_bundled_gguf_and_says_so(monkeypatch, capsys) -> None:
+    from jaxinfer import platform
+    from jaxinfer.linear import is_quantized
+
+    monkeypatch.setattr(platform, "_announced", set())  # another test in this process may have printed the same
+    llm = LLM("smollm2-135m-instruct", warmup=False, num_pages=4, use_tqdm=False)
+    assert llm.args.quantization == "none" and not llm.quant_plan
+    assert not is_quantized(llm.weights.layers[0].wq) and llm.weights.layers[0].wq.dtype == jnp.float32
+    assert "quantization=none" in capsys.readouterr().err
+
+
+def test_convert_keeps_a_gguf_quantized_unless_told_otherwise(tmp_path: Path, smollm2_path: Path) -> None:
+    """The CPU's float default is for running: `jaxinfer convert` with no --quantization writes the blocks."""
+    from jaxinfer.cli import main
+    from jaxinfer.linear import is_quantized
+
+    assert main(["convert", str(smollm2_path), str(tmp_path / "q")]) == 0
+    restored = LLM(str(tmp_path / "q"), warmup=False, num_pages=4, use_tqdm=False)
+    assert restored.quant_plan and is_quantized(restored.weights.layers[0].wq)
