@@ -28,7 +28,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV page (default 16)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of each device's memory the engine may use (vLLM's meaning)")
-    p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "pallas_tpu", "pallas_gpu"])
+    p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "xla", "pallas_tpu", "pallas_gpu"])
     _quantization_args(p)
 
 

@@ -327,7 +327,7 @@ class EngineConfig(FromDict):
             raise ConfigError(
                 f"EngineConfig.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}."
             )
-        allowed = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+        allowed = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
         if self.attention_impl not in allowed:
             raise ConfigError(
                 f"EngineConfig.attention_impl: {self.attention_impl!r} is not one of {', '.join(allowed)}."

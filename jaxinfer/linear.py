@@ -36,7 +36,7 @@ from pallas_kernels.quantized_matmul import QuantizedWeights, quantized_matmul
 from pallas_kernels.quantized_matmul.reference import dequantize_rows
 
 # attention_impl -> quantized_matmul impl
-_IMPLS = {"auto": "auto", "reference": "reference", "pallas_tpu": "tpu", "pallas_gpu": "gpu"}
+_IMPLS = {"auto": "auto", "reference": "reference", "xla": "reference", "pallas_tpu": "tpu", "pallas_gpu": "gpu"}
 SEQ = "seq"
 
 

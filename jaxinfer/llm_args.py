@@ -31,7 +31,7 @@ DTYPE_NAMES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16",
                "half": "float16"}
 KV_CACHE_DTYPES = ("auto", "bfloat16", "float16", "float32", "fp8", "int8")
 _KV_ALIASES = {"fp8_e4m3": "fp8", "float": "float32", "half": "float16"}
-ATTENTION_IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+ATTENTION_IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
 
 
 def _opt_real(v: Any) -> float | None:
@@ -134,7 +134,7 @@ LLM_ARG_RULES: tuple[FieldRule, ...] = (
     _r("overlap_decode", True, "True or False", _bool),
     _r("compile_threads", None, "None (half the cores) or an integer >= 1", as_opt_int, lambda v: v is None or v >= 1),
     _r("compilation_cache_dir", "auto", "'auto', None or a directory path", _opt_path),
-    _r("attention_impl", "auto", "'auto', 'reference', 'pallas_tpu' or 'pallas_gpu'", _opt_str,
+    _r("attention_impl", "auto", "'auto', 'reference', 'xla', 'pallas_tpu' or 'pallas_gpu'", _opt_str,
        lambda v: v in ATTENTION_IMPLS),
     _r("interpret", False, "True or False", _bool),
     _r("random_weights", False, "True or False", _bool),

@@ -80,6 +80,17 @@ def test_pallas_tpu_kernel_in_interpret_mode_gives_hf_greedy_tokens(smollm2_gold
     assert [o.token_ids for o in outs] == [c["output_ids"][:12] for c in cases]
 
 
+def test_cpu_defaults_give_hf_greedy_tokens(smollm2_golden: dict) -> None:
+    """What a new user runs on a CPU: attention_impl="auto" (the xla attention) over float weights dequantized
+    at load (quantization=None on a CPU). Only the batch is set smaller, to compile fewer buckets."""
+    llm_cpu = LLM("smollm2-135m-instruct", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
+                  use_tqdm=False)
+    assert llm_cpu.engine.runner.attention_impl == "xla" and not llm_cpu.quant_plan
+    cases = smollm2_golden["greedy"]
+    outs = llm_cpu.generate([c["prompt_ids"] for c in cases], [greedy_params(c["max_new_tokens"]) for c in cases])
+    assert [o.token_ids for o in outs] == [c["output_ids"] for c in cases]
+
+
 def test_gguf_kept_quantized_in_at_most_1_2x_the_file(llm: LLM, smollm2_path) -> None:
     """quantization="auto" keeps the GGUF's blocks as the kernels' int4/int8 codes + scales: device bytes
     stay near the file's, and kv_cache_bytes is exactly the cache allocated (the goldens above ran on this)."""

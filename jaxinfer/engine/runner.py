@@ -175,8 +175,9 @@ class ModelRunner:
         self.precompile_times: dict[str, float] = {}  # the last `precompile`: trace and compile seconds
         attn_fn = make_attention_fn(cfg, attention_impl, interpret, mesh)
         # The experts' grouped matmul follows the attention choice: the Pallas kernel of the platform, or the
-        # jnp reference (ragged_dot) wherever attention runs the reference.
-        experts = functools.partial(grouped_matmul, impl=attention_impl, interpret=interpret)
+        # jnp reference (ragged_dot) wherever attention runs jnp (the reference or its xla reordering).
+        experts_impl = "reference" if attention_impl == "xla" else attention_impl
+        experts = functools.partial(grouped_matmul, impl=experts_impl, interpret=interpret)
         self.moe_fn = make_moe_fn(mesh, rules, experts) if family.moe else None
         self.num_experts = cfg.num_experts if family.moe else 0
         self._logits_step = jax.jit(

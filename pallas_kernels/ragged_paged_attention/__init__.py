@@ -1,7 +1,9 @@
-"""Ragged paged attention: one entry point, three implementations with the same semantics.
+"""Ragged paged attention: one entry point, four implementations with the same semantics.
 
-`impl="auto"` picks the Pallas TPU kernel on TPU, the Pallas GPU kernel on GPU and the jnp reference
-on CPU. `interpret=True` runs a Pallas kernel in Pallas interpret mode (works on CPU).
+`impl="auto"` picks the Pallas TPU kernel on TPU, the Pallas GPU kernel on GPU and the jnp `xla` version on
+CPU (xla.py: the reference's work reordered so that decode rows are batched over sequences). "reference" is
+the specification every other implementation is tested against. `interpret=True` runs a Pallas kernel in
+Pallas interpret mode (works on CPU).
 
 On a GPU, "auto" never raises for a layout the reference can run: a call the GPU kernel does not
 take (`gpu.supported_config`: quantized or fp32 KV, an unusual page size or head dim) runs on the
@@ -17,8 +19,8 @@ import jax
 
 from pallas_kernels.ragged_paged_attention import reference
 
-Impl = Literal["auto", "reference", "pallas_tpu", "pallas_gpu"]
-_IMPLS = ("auto", "reference", "pallas_tpu", "pallas_gpu")
+Impl = Literal["auto", "reference", "xla", "pallas_tpu", "pallas_gpu"]
+_IMPLS = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
 
 
 def _backend() -> str:
@@ -36,7 +38,7 @@ def resolve_impl(impl: Impl, *, gpu_supported: bool = True) -> str:
         raise ValueError(f"impl must be one of {_IMPLS}, got {impl!r}")
     if impl != "auto":
         return impl
-    chosen = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(_backend(), "reference")
+    chosen = {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(_backend(), "xla")
     return "reference" if chosen == "pallas_gpu" and not gpu_supported else chosen
 
 
@@ -86,6 +88,9 @@ def ragged_paged_attention(
         _warn_fallback_once(reason)  # chosen is the reference
     if chosen == "reference":
         return reference.ragged_paged_attention(*args, **kwargs)
+    if chosen == "xla":
+        from pallas_kernels.ragged_paged_attention import xla
+        return xla.ragged_paged_attention(*args, **kwargs)
     if chosen == "pallas_tpu":
         from pallas_kernels.ragged_paged_attention import tpu
         return tpu.ragged_paged_attention(*args, **kwargs, interpret=interpret)

@@ -7,7 +7,7 @@ them has absolute position `kv_lens[s] - q_len_s + i` and sees kv positions `0 .
 (only the last `sliding_window` of those when a window is given).
 
 Memory and work: the reference walks the sequences with a `fori_loop`, inside one sequence its query
-tokens in chunks of `_Q_CHUNK`, and for each chunk the sequence's kv in blocks of `_KV_BLOCK_PAGES`
+tokens in chunks of `_Q_CHUNK`, and for each chunk the sequence's kv in blocks of `KV_BLOCK_PAGES`
 pages with an online (flash-style) softmax, stopping at the last block below kv_len. So only one block
 of pages and one chunk's block of logits are live at a time, and the work follows the real lengths,
 not the page table's width.
@@ -25,8 +25,8 @@ import jax.numpy as jnp
 # far below the cache itself, large enough that prefill does not loop per token.
 _Q_CHUNK = 64
 # Pages per kv block of the online softmax; a sequence costs ceil(kv_len / (block * R)) iterations.
-_KV_BLOCK_PAGES = 8
-_MASK_VALUE = -1e30
+KV_BLOCK_PAGES = 8
+MASK_VALUE = -1e30
 
 
 KV_QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
@@ -131,7 +131,7 @@ def _attend_chunk(q_chunk, k_pages, v_pages, page_row, q_pos, row_valid, kv_len,
     """
     c, n, h = q_chunk.shape
     kv_heads, page_size = k_pages.shape[2], k_pages.shape[1]  # QuantizedPages has the values' shape
-    block_pages = _KV_BLOCK_PAGES
+    block_pages = KV_BLOCK_PAGES
     block = block_pages * page_size
     q4 = q_chunk.astype(jnp.float32).reshape(c, kv_heads, n // kv_heads, h)  # [C, K, G, H]
 
@@ -143,14 +143,14 @@ def _attend_chunk(q_chunk, k_pages, v_pages, page_row, q_pos, row_valid, kv_len,
         logits = soft_cap_logits(jnp.einsum("ckgh,lkh->ckgl", q4, k_blk) * sm_scale, soft_cap)  # [C, K, G, L]
         kv_pos = b * block + jnp.arange(block, dtype=jnp.int32)  # [L]
         mask = (attention_mask(q_pos, kv_pos, kv_len, sliding_window) & row_valid[:, None])[:, None, None, :]
-        logits = jnp.where(mask, logits, _MASK_VALUE)
+        logits = jnp.where(mask, logits, MASK_VALUE)
         m_new = jnp.maximum(m, logits.max(axis=-1))  # [C, K, G]
         probs = jnp.where(mask, jnp.exp(logits - m_new[..., None]), 0.0)  # [C, K, G, L]
         alpha = jnp.exp(m - m_new)  # [C, K, G] rescales what earlier blocks accumulated
         acc = acc * alpha[..., None] + jnp.einsum("ckgl,lkh->ckgh", probs, v_blk)  # [C, K, G, H]
         return m_new, l * alpha + probs.sum(axis=-1), acc
 
-    stats = jnp.full((c, kv_heads, n // kv_heads), _MASK_VALUE, jnp.float32)  # [C, K, G]
+    stats = jnp.full((c, kv_heads, n // kv_heads), MASK_VALUE, jnp.float32)  # [C, K, G]
     init = (stats, jnp.zeros_like(stats), jnp.zeros((c, kv_heads, n // kv_heads, h), jnp.float32))
     num_blocks = (kv_len + block - 1) // block
     _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
@@ -158,7 +158,7 @@ def _attend_chunk(q_chunk, k_pages, v_pages, page_row, q_pos, row_valid, kv_len,
     return out.reshape(c, n, h)  # [C, N, H]
 
 
-def _attend_sequence(s, out, q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, sm_scale,
+def attend_sequence(s, out, q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, sm_scale,
                      sliding_window, soft_cap, k_scale, v_scale):
     """Writes the outputs of sequence s into out [T, N, H] (fp32), chunk by chunk."""
     num_tokens = q.shape[0]
@@ -185,9 +185,9 @@ def _attend_sequence(s, out, q, k_pages, v_pages, kv_lens, page_indices, cu_q_le
     return jax.lax.fori_loop(0, num_chunks, chunk_body, out)
 
 
-def _pad_to_blocks(page_indices: jax.Array) -> jax.Array:
+def pad_to_blocks(page_indices: jax.Array) -> jax.Array:
     """[S, M] -> [S, M'] with M' a multiple of the kv block, padded with the trash page (masked anyway)."""
-    extra = -page_indices.shape[1] % _KV_BLOCK_PAGES
+    extra = -page_indices.shape[1] % KV_BLOCK_PAGES
     return jnp.pad(page_indices, ((0, 0), (0, extra))) if extra else page_indices
 
 
@@ -207,8 +207,8 @@ def ragged_paged_attention(
     v_scale: float | None = None,
 ) -> jax.Array:
     """Reference ragged paged attention; returns [T, N, H] in q.dtype (zeros on padding rows)."""
-    page_indices = _pad_to_blocks(page_indices)  # [S, M']
-    body = lambda s, out: _attend_sequence(
+    page_indices = pad_to_blocks(page_indices)  # [S, M']
+    body = lambda s, out: attend_sequence(
         s, out, q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, sm_scale=sm_scale,
         sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale, v_scale=v_scale)
     out = jnp.zeros(q.shape, jnp.float32)  # [T, N, H]

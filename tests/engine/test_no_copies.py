@@ -42,8 +42,8 @@ def _copies(text: str, sizes: set[int]) -> list[str]:
     return found
 
 
-def _compiled(family, cfg) -> tuple[list[str], set[int]]:
-    runner = build_runner(cfg, family=family, num_pages=40, page_size=4)
+def _compiled(family, cfg, attention_impl: str) -> tuple[list[str], set[int]]:
+    runner = build_runner(cfg, family=family, num_pages=40, page_size=4, attention_impl=attention_impl)
     engine = Engine(runner, None, EngineConfig(max_num_seqs=8, max_num_batched_tokens=32),
                     CacheConfig(page_size=4, num_pages=40), use_tqdm=False, decode_steps_per_call=8)
     texts = [step_hlo(engine, 16)]
@@ -57,17 +57,19 @@ def _compiled(family, cfg) -> tuple[list[str], set[int]]:
 FAMILIES = {"llama": (LLAMA, tiny_config), "gemma3": (GEMMA3, tiny_gemma_config)}
 
 
-def _check(name: str) -> None:
+def _check(name: str, attention_impl: str) -> None:
     family, make = FAMILIES[name]
-    texts, sizes = _compiled(family, make(hidden_size=80, intermediate_size=112))
+    texts, sizes = _compiled(family, make(hidden_size=80, intermediate_size=112), attention_impl)
     for text in texts:
         assert "while" in text or "decode" not in text
         assert _copies(text, sizes) == []
 
 
+# "auto" is the xla attention on a CPU (a gather of each sequence's pages per kv block, never the cache).
+@pytest.mark.parametrize("attention_impl", ["reference", "auto"])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_decode_loop_and_step_copy_no_weight_or_cache(name: str) -> None:
-    _check(name)
+def test_decode_loop_and_step_copy_no_weight_or_cache(name: str, attention_impl: str) -> None:
+    _check(name, attention_impl)
 
 
 @pytest.mark.gpu
@@ -75,4 +77,4 @@ def test_decode_loop_and_step_copy_no_weight_or_cache(name: str) -> None:
 def test_decode_loop_copies_no_weight_or_cache_on_gpu(name: str) -> None:
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU (jax.default_backend() != 'gpu')")
-    _check(name)
+    _check(name, "reference")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from conftest import make_paged_batch, naive_attention, relative_error
 
-from pallas_kernels.ragged_paged_attention import ragged_paged_attention, reference, resolve_impl
+from pallas_kernels.ragged_paged_attention import ragged_paged_attention, reference, resolve_impl, xla
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,10 +109,10 @@ def test_public_entry_point_runs_tpu_kernel_in_interpret_mode(rng):
     assert relative_error(out[:real], want[:real]) < 1e-5
 
 
-def test_auto_picks_reference_on_cpu_and_rejects_unknown_impls():
+def test_auto_picks_xla_on_cpu_and_rejects_unknown_impls():
     assert resolve_impl("auto") == {"tpu": "pallas_tpu", "gpu": "pallas_gpu"}.get(
-        jax.default_backend(), "reference")
-    assert resolve_impl("auto", gpu_supported=False) in ("pallas_tpu", "reference")
+        jax.default_backend(), "xla")
+    assert resolve_impl("auto", gpu_supported=False) in ("pallas_tpu", "reference", "xla")
     with pytest.raises(ValueError, match="impl must be one of"):
         resolve_impl("triton")
 
@@ -544,3 +544,52 @@ def test_tpu_kernel_dequantizes_quantized_pages_in_vmem(rng, kv_dtype, q_dtype):
 
 def _dequantized(pages):
     return reference.dequantize_pages(pages.values, None, pages.scales)  # [P, R, K, H] f32
+
+
+# ----------------------------------------------------------------------------- xla.py (the CPU's "auto")
+
+# Beside the kernel cases (every sequence inside one kv block of 8 pages), sequences spanning several blocks:
+# a decode-only batch of very different lengths with padding slots and tokens, and a mixed batch whose
+# prefill chunks and decodes cross blocks under a sliding window and a soft cap.
+XLA_CASES = {
+    **CASES,
+    "decode_many_blocks": Case(tuple((1, kv) for kv in (1, 33, 64, 65, 130, 159, 7, 96)), num_heads=6,
+                               kv_heads=2, page_size=4, max_pages=40, pad_seqs=3, pad_tokens=2),
+    "mixed_many_blocks_window": Case(((1, 150), (20, 90), (1, 3), (37, 37), (1, 64)), num_heads=4, kv_heads=2,
+                                     page_size=4, max_pages=40, sliding_window=50, soft_cap=10.0),
+}
+
+
+@pytest.mark.parametrize("name", list(XLA_CASES))
+def test_xla_matches_reference(rng, name):
+    case = XLA_CASES[name]
+    batch, kwargs = _build(rng, case)
+    out = xla.ragged_paged_attention(*batch.args(), **kwargs)
+    want = reference.ragged_paged_attention(*batch.args(), **kwargs)
+    real = batch.num_real_tokens
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    assert relative_error(out[:real], want[:real].astype(jnp.float32)) < _tolerance(case)
+    assert not np.asarray(out[real:].astype(jnp.float32)).any()  # padding rows are zeros, as the reference's
+
+
+@pytest.mark.parametrize("kv_dtype,q_dtype", [(jnp.int8, jnp.float32), (jnp.float8_e4m3fn, jnp.bfloat16)])
+def test_xla_dequantizes_quantized_pages_like_the_reference(rng, kv_dtype, q_dtype):
+    batch = _quantized_batch(rng, kv_dtype, num_heads=8, kv_heads=2, head_dim=64, page_size=4, max_pages=10,
+                             dtype=q_dtype, pad_tokens=2, pad_seqs=1)
+    kwargs = dict(sm_scale=0.125, soft_cap=20.0)
+    out = xla.ragged_paged_attention(*batch.args(), **kwargs)
+    want = reference.ragged_paged_attention(*batch.args(), **kwargs)
+    real = batch.num_real_tokens
+    assert relative_error(out[:real], want[:real].astype(jnp.float32)) < (1e-2 if q_dtype == jnp.bfloat16 else 1e-5)
+
+
+def test_xla_decode_step_runs_no_per_sequence_loop(rng):
+    """A decode-only step does its work in the batched pass: the per-sequence loop's trip count is 0, so the
+    result does not change when that loop's body is made to fail loudly (NaN) on every row it would touch."""
+    batch, kwargs = _build(rng, XLA_CASES["decode_many_blocks"])
+    poisoned = lambda s, out, q, *a, **k: jnp.full_like(out, jnp.nan)
+    want = xla.ragged_paged_attention(*batch.args(), **kwargs)
+    import unittest.mock
+    with unittest.mock.patch.object(xla, "attend_sequence", poisoned):
+        got = xla.ragged_paged_attention(*batch.args(), **kwargs)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
