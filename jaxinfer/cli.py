@@ -151,7 +151,8 @@ def cmd_convert(args: argparse.Namespace) -> int:
     # exactly what LLM(..., quantization=...) would hold; the plan goes beside them to restore them as such.
     # Unset means 'auto' here on every platform: a converted .gguf keeps its blocks (a CPU's float default is for
     # running, not for what is written).
-    llm = LLM(args.src, dtype=args.dtype, quantization=args.quantization or "auto", warmup=False, num_pages=2, use_tqdm=False)
+    llm = LLM(args.src, dtype=args.dtype, quantization=args.quantization or "auto", warmup=False, num_pages=2,
+              use_tqdm=False)
     path = save_checkpoint(args.dst, llm.model_config, llm.weights, llm.tokenizer, llm.quant_plan)
     print(f"wrote {path}")
     return 0

@@ -120,9 +120,9 @@ LLM_ARG_RULES: tuple[FieldRule, ...] = (
        "over", as_int, lambda v: v >= 1),
     _r("sequence_parallel_size", 1, "an integer >= 1: devices each step's tokens split over", as_int,
        lambda v: v >= 1),
-    _r("quantization", None, "None (the platform's: 'auto', except on CPU, where a .gguf model whose float weights take at most "
-       "1/8 of the host's memory is dequantized at load), 'auto' (a .gguf model keeps its quantization, other "
-       "checkpoints stay float), "
+    _r("quantization", None, "None (the platform's: 'auto', except on CPU, where a .gguf model whose float "
+       "weights take at most 1/8 of the host's memory is dequantized at load), 'auto' (a .gguf model keeps its "
+       "quantization, other checkpoints stay float), "
        "'none' (dequantize), 'int8', 'int4' or 'fp8' (quantize at load; 'int8:G' / 'int4:G' set the group size G: "
        "16, 32, 64 or a multiple of 128 for int8, 32, 64 or a multiple of 128 for int4), or 'gguf' ('auto' for a "
        ".gguf model)", _opt_str, lambda v: _valid_quantization(v)),

@@ -9,8 +9,9 @@ host. Any of them passed explicitly wins.
 `quantization` left unset is the platform's too. A GPU or TPU keeps a .gguf model's blocks quantized (its
 kernels read them as they are). A CPU has no quantized matmul kernel: each step would dequantize every weight
 (3.6x slower than float at batch 1 on SmolLM2-135M), so it dequantizes once at load when the float copy takes
-at most 1/8 of the host's memory, and keeps larger models quantized so that they still fit. The values chosen are printed once per process, so a user sees
-what ran without reading this file.
+at most 1/8 of the host's memory, and keeps larger models quantized so that they still fit.
+
+The values chosen are printed once per process, so a user sees what ran without reading this file.
 """
 
 from __future__ import annotations

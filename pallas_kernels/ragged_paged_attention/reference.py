@@ -159,7 +159,7 @@ def _attend_chunk(q_chunk, k_pages, v_pages, page_row, q_pos, row_valid, kv_len,
 
 
 def attend_sequence(s, out, q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, *, sm_scale,
-                     sliding_window, soft_cap, k_scale, v_scale):
+                    sliding_window, soft_cap, k_scale, v_scale):
     """Writes the outputs of sequence s into out [T, N, H] (fp32), chunk by chunk."""
     num_tokens = q.shape[0]
     chunk = min(_Q_CHUNK, num_tokens)
