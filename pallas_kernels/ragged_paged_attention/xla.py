@@ -31,6 +31,11 @@ from pallas_kernels.ragged_paged_attention.reference import (
 BLOCK_PAGES = 2  # pages per sequence per iteration of the batched pass (module docstring)
 
 
+def _live(cu_q_lens: jax.Array, num_seqs: jax.Array) -> jax.Array:
+    """[S] bool: the sequence slots in use that have at least one query token this step."""
+    return (jnp.arange(cu_q_lens.shape[0] - 1) < num_seqs[0]) & (cu_q_lens[1:] > cu_q_lens[:-1])
+
+
 def _gather_blocks(pages: jax.Array | QuantizedPages, block_pages: jax.Array, scale: float | None) -> jax.Array:
     """Every sequence's block of the cache as fp32: page ids [S, B] -> [S, B*R, K, H]."""
     s, b = block_pages.shape
@@ -51,8 +56,7 @@ def last_token_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, 
     page_size, kv_heads = k_pages.shape[1], k_pages.shape[2]
     group = num_heads // kv_heads
     block = BLOCK_PAGES * page_size
-    live = (jnp.arange(num_slots) < num_seqs[0]) & (cu_q_lens[1:] > cu_q_lens[:-1])  # [S]
-    lens = jnp.where(live, kv_lens, 0)  # [S]
+    lens = jnp.where(_live(cu_q_lens, num_seqs), kv_lens, 0)  # [S]
     rows = jnp.clip(cu_q_lens[1:] - 1, 0, num_tokens - 1)  # [S] each sequence's last token
     q_last = q[rows].astype(jnp.float32).reshape(num_slots, kv_heads, group, head_dim)  # [S, K, G, H]
     q_pos = lens - 1  # [S]
@@ -102,14 +106,13 @@ def ragged_paged_attention(
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap, k_scale=k_scale,
                   v_scale=v_scale)
     page_indices = pad_to_blocks(page_indices)  # [S, M']
-    num_tokens, num_slots = q.shape[0], kv_lens.shape[0]
+    num_tokens = q.shape[0]
     last = last_token_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, **kwargs)
-    q_lens = cu_q_lens[1:] - cu_q_lens[:-1]  # [S]
-    live = (jnp.arange(num_slots) < num_seqs[0]) & (q_lens > 0)  # [S]
+    live = _live(cu_q_lens, num_seqs)  # [S]
     rows = jnp.where(live, cu_q_lens[1:] - 1, num_tokens)  # [S]; a dead sequence's row is dropped
     out = jnp.zeros(q.shape, jnp.float32).at[rows].set(last, mode="drop")  # [T, N, H]
     # Sequences with more than one query token, first (a stable sort keeps their order), and how many.
-    chunked = live & (q_lens > 1)  # [S]
+    chunked = live & (cu_q_lens[1:] - cu_q_lens[:-1] > 1)  # [S]
     order = jnp.argsort(~chunked, stable=True)  # [S]
     body = lambda i, out: attend_sequence(order[i], out, q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens,
                                           **kwargs)
