@@ -54,6 +54,18 @@ class _EngineGauges(Collector):
                                 labels=labels)
         c.add_metric([self.model], s["num_preemptions"])
         yield c
+        steps = CounterMetricFamily(PREFIX + "engine_steps", "Engine steps (device calls) so far.", labels=labels)
+        steps.add_metric([self.model], s["num_steps"])
+        yield steps
+        piped = CounterMetricFamily(PREFIX + "engine_pipelined_steps", "Single steps whose forward was launched "
+                                    "before the previous step's tokens were read.", labels=labels)
+        piped.add_metric([self.model], s["num_pipelined_steps"])
+        yield piped
+        phases = CounterMetricFamily(PREFIX + "engine_step_seconds", "Wall seconds of the engine loop per phase "
+                                     "(schedule, prepare, device, apply).", labels=[*labels, "phase"])
+        for phase, seconds in s["step_time_s"].items():
+            phases.add_metric([self.model, phase], seconds)
+        yield phases
 
 
 class ServerMetrics:
@@ -72,29 +84,31 @@ class ServerMetrics:
         self.e2e = Histogram(PREFIX + "e2e_request_latency_seconds", "Arrival to finish of a request.",
                              buckets=E2E_BUCKETS, **kw)
         self._first_seen: set[str] = set()
+        # The one label set this server uses, looked up once: on_outputs runs for every streamed step.
+        self._prompt, self._generated = self.prompt_tokens.labels(model), self.generation_tokens.labels(model)
+        self._ttft, self._itl, self._e2e = self.ttft.labels(model), self.itl.labels(model), self.e2e.labels(model)
 
     def on_outputs(self, outputs: list[RequestOutput]) -> None:
         """Called on the event loop with each step's outputs (AsyncLLM.on_outputs)."""
-        label = self.model
+        new = 0
         for out in outputs:
-            new = sum(len(c.delta_token_ids) for c in out.outputs)
-            if new:
-                self.generation_tokens.labels(label).inc(new)
+            new += sum(len(c.delta_token_ids) for c in out.outputs)
             m = out.metrics or {}
             if out.request_id not in self._first_seen and m.get("ttft_s") is not None:
                 self._first_seen.add(out.request_id)
-                self.ttft.labels(label).observe(m["ttft_s"])
+                self._ttft.observe(m["ttft_s"])
             if out.finished:
                 self._finished(out, m)
+        if new:
+            self._generated.inc(new)
 
     def _finished(self, out: RequestOutput, m: dict[str, Any]) -> None:
-        label = self.model
         self._first_seen.discard(out.request_id)
-        self.prompt_tokens.labels(label).inc(len(out.prompt_token_ids))
+        self._prompt.inc(len(out.prompt_token_ids))
         for gap in out.inter_token_latencies:
-            self.itl.labels(label).observe(gap)
+            self._itl.observe(gap)
         if m.get("arrival_time") is not None:
-            self.e2e.labels(label).observe(max(0.0, time.time() - m["arrival_time"]))
+            self._e2e.observe(max(0.0, time.time() - m["arrival_time"]))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
