@@ -139,6 +139,10 @@ class AsyncLLM:
                                                        "num_preemptions")}
         out["prefix_cache_hit_rate"] = sum(p["prefix_cache_hit_rate"] for p in per) / len(per)
         out["num_unfinished_requests"] = sum(len(e.requests) for e in self._engines)
+        # Step counters and the engine loop's wall seconds per phase (Engine.times), for /metrics.
+        out["num_steps"] = sum(e.num_steps for e in self._engines)
+        out["num_pipelined_steps"] = sum(e.pipeline.num_pipelined_steps for e in self._engines)
+        out["step_time_s"] = {k: sum(e.times.seconds[k] for e in self._engines) for k in self._engines[0].times.seconds}
         return out
 
     def _post(self, fn: Callable[..., None], *args: Any) -> None:
@@ -257,7 +261,8 @@ class AsyncLLM:
 
     def engine_stats(self) -> dict[str, Any]:
         """The latest scheduler gauges published by the engine thread (running, waiting, pages, preemptions,
-        prefix-cache hit rate, unfinished requests); safe from any thread, never waits for a step."""
+        prefix-cache hit rate, unfinished requests, steps, pipelined steps, seconds per phase of the engine
+        loop); safe from any thread, never waits for a step."""
         return dict(self._stats)
 
     async def full_engine_stats(self) -> dict[str, Any]:

@@ -57,6 +57,8 @@ def start_server(args: argparse.Namespace, log: Path) -> subprocess.Popen:
 
 
 def bench(args: argparse.Namespace, workload: str, structured: str | None, label: str, seed: int) -> dict[str, Any]:
+    """One bench-serve run at concurrency 64, with what the server's engine did meanwhile (`engine`: steps,
+    pipelined steps and wall seconds per phase of the engine loop, from /metrics before and after)."""
     from jaxinfer.bench import serve_bench
 
     p = argparse.ArgumentParser()
@@ -65,7 +67,26 @@ def bench(args: argparse.Namespace, workload: str, structured: str | None, label
             str(args.num_prompts), "--concurrency", "64", "--label", label, "--seed", str(seed)]
     if structured:
         argv += ["--structured", structured]
-    return asyncio.run(serve_bench.run_all(p.parse_args(argv)))
+    before = engine_counters(args.port)
+    result = asyncio.run(serve_bench.run_all(p.parse_args(argv)))
+    after = engine_counters(args.port)
+    result["engine"] = {k: after[k] - before[k] for k in after}
+    return result
+
+
+def engine_counters(port: int) -> dict[str, float]:
+    """The engine loop's counters on the server's /metrics: steps, pipelined steps, seconds per phase."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in ("jaxinfer:engine_steps_total", "jaxinfer:engine_pipelined_steps_total"):
+                out[sample.name.removeprefix("jaxinfer:engine_").removesuffix("_total")] = sample.value
+            elif sample.name == "jaxinfer:engine_step_seconds_total":
+                out[f"{sample.labels['phase']}_s"] = sample.value
+    return out
 
 
 def offline(args: argparse.Namespace, workload_name: str, seed: int) -> dict[str, Any]:
@@ -122,12 +143,14 @@ def main() -> None:
     p.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval")
     p.add_argument("--structured-only", action="store_true",
                    help="only the structured run and its plain twin (no server-vs-offline comparison)")
+    p.add_argument("--server-only", action="store_true",
+                   help="with --structured-only: the two server runs, not the engine-alone pair after them")
     args = p.parse_args()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"command": "python3 scripts/bench_serve_gpu.py " + " ".join(sys.argv[1:]),
                               "model": args.model, "engine": ENGINE, "workload": args.workload,
-                              "num_prompts": args.num_prompts}
+                              "num_prompts": args.num_prompts, "stream_interval": args.stream_interval}
 
     def save() -> None:
         out.write_text(json.dumps(result, indent=1) + "\n")
@@ -149,7 +172,8 @@ def main() -> None:
         server.send_signal(signal.SIGTERM)
         server.wait(120)
     if args.structured_only:
-        result["offline_structured"] = offline_structured(args)
+        if not args.server_only:
+            result["offline_structured"] = offline_structured(args)
     else:
         result["offline"] = offline(args, args.workload, seed=2)
     result.update(verdicts(result))

@@ -25,9 +25,14 @@
 #   structured   structured output's cost through the server and in the engine alone (bench_serve_gpu.py
 #                --structured-only); needs serve_wheels/ from scripts/serve_wheels.sh carried
 #   serve        the whole of bench_serve_gpu.py: structured, then the server against offline (same needs)
+#   structured_si8  the two server runs of `structured` again with `--stream-interval 8` (same needs)
+#   ab_grid      issue 12's TP=1 bar: the run of record's fixed grids and decode at batch 1 through the public
+#                API, the 11-22 tree (.ab_old, a git worktree of 014cf88, carried) then this one
+#                (scripts/ab_prefill.py --workload grid); JSON lines in $OUT/ab_grid.jsonl
 set -uo pipefail
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+export OUT
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1 JAX_PLATFORMS=cuda
 declare -A VERDICT
 
@@ -85,12 +90,16 @@ print(f(llm.describe()))' ;;
       cp docs/benchmarks/spec.json "$OUT/spec.json" ;;
     pipeline_test)
       run pipeline_test 400 python3 -m pytest -q -m gpu tests/engine/test_pipeline.py ;;
-    structured|serve)
+    structured|serve|structured_si8)
       python3 -m pip install -q --no-index --find-links serve_wheels --target /tmp/serve_site fastapi uvicorn \
         sse-starlette prometheus-client "llguidance>=1.9" aiohttp >"$OUT/serve_pip.log" 2>&1
       only=(); [ "$section" = structured ] && only=(--structured-only)
+      [ "$section" = structured_si8 ] && only=(--structured-only --server-only --stream-interval 8)
       run "$section" 590 env PYTHONPATH=$PYTHONPATH:/tmp/serve_site python3 scripts/bench_serve_gpu.py \
         "${only[@]}" --tokenizer serve_wheels/tokenizer --out "$OUT/serve_$section.json" ;;
+    ab_grid)
+      run ab_grid 590 bash -c 'for t in .ab_old .; do PYTHONPATH=$t python3 scripts/ab_prefill.py --label $t \
+        --workload grid --repeats 2 | tee -a "$OUT/ab_grid.jsonl"; done' ;;
     spec_test)
       JAXINFER_SMOLLM2_GGUF=/tmp/smollm2.gguf run spec_test 300 python3 -m pytest -q -m gpu tests/test_bench_spec.py ;;
     *) echo "unknown section $section" ;;

@@ -45,7 +45,7 @@ def client(server) -> openai.OpenAI:
 
 
 def metrics(server) -> dict[str, float]:
-    """Every sample of /metrics by name (the model_name label is the only one besides histogram buckets)."""
+    """Every sample of /metrics by name, buckets left out (a phase-labelled counter keeps its last phase's)."""
     text = httpx.get(server.url("/metrics"), timeout=10).text
     samples = {}
     for family in text_string_to_metric_families(text):
@@ -186,6 +186,11 @@ def test_metrics_parse_and_have_the_names(server, client) -> None:
     samples = metrics(server)
     assert samples["jaxinfer:prompt_tokens_total"] > 0 and samples["jaxinfer:generation_tokens_total"] > 0
     assert samples["jaxinfer:time_to_first_token_seconds_count"] > 0
+    # The engine loop's counters: steps taken, and where their wall time went.
+    assert samples["jaxinfer:engine_steps_total"] >= 4 and samples["jaxinfer:engine_pipelined_steps_total"] >= 0
+    phases = {s.labels["phase"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+              if s.name == "jaxinfer:engine_step_seconds_total"}
+    assert set(phases) == {"schedule", "prepare", "device", "apply"} and phases["device"] > 0
 
 
 def test_models_tokenize_detokenize_health(server, client, smollm2) -> None:
