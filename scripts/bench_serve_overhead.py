@@ -12,7 +12,7 @@ share of the engine's pace alone (no server), for each setting:
 
     .venv/bin/python scripts/bench_serve_overhead.py --out bench_results/serve_overhead.json
 
-One line of JSON per setting; the stand-in engine is `FakeEngine` below (the same interface AsyncLLM drives).
+One line of JSON per setting; the stand-in engine is jaxinfer.bench.stand_in's (the interface AsyncLLM drives).
 """
 
 from __future__ import annotations
@@ -24,87 +24,11 @@ import os
 import subprocess
 import sys
 import time
-import types
 import urllib.request
 from pathlib import Path
 from typing import Any
 
-from jaxinfer.outputs import CompletionOutput, FinishReason, RequestMetrics, RequestOutput
-
-
-class FakeScheduler:
-    def __init__(self, engine: FakeEngine) -> None:
-        self.engine = engine
-
-    def stats(self) -> dict[str, Any]:
-        n = len(self.engine.requests)
-        return {"num_running": min(n, self.engine.max_num_seqs), "num_waiting": max(0, n - self.engine.max_num_seqs),
-                "free_pages": 1000, "total_pages": 1000, "num_preemptions": 0, "prefix_cache_hit_rate": 0.0}
-
-
-class FakeEngine:
-    """Engine stand-in: `step()` spends `host_ms` holding the GIL, then sleeps to `step_ms`; every running
-    request gains `tokens_per_step` tokens ("t" each) and finishes at its max_tokens."""
-
-    max_model_len = 4096
-
-    def __init__(self, step_ms: float, host_ms: float, tokens_per_step: int, max_num_seqs: int) -> None:
-        self.step_s, self.host_s = step_ms / 1e3, host_ms / 1e3
-        self.tokens_per_step, self.max_num_seqs = tokens_per_step, max_num_seqs
-        self.requests: dict[str, dict[str, Any]] = {}
-        self.scheduler = FakeScheduler(self)
-        self.stream_interval = 1
-        self.num_steps = 0
-        self.pipeline = types.SimpleNamespace(num_pipelined_steps=0)
-        self.times = types.SimpleNamespace(seconds={"device": 0.0})
-
-    def has_unfinished(self) -> bool:
-        return bool(self.requests)
-
-    def add_request(self, prompt: Any, params: Any, request_id: str, priority: int = 0) -> str:
-        ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else list(range(8))
-        self.requests[request_id] = {"ids": ids, "max": params.max_tokens, "n": 0, "since": 0,
-                                     "arrival": time.time(), "kind": params.output_kind}
-        return request_id
-
-    def abort(self, request_id: str) -> RequestOutput | None:
-        r = self.requests.pop(request_id, None)
-        return None if r is None else self._output(request_id, r, 0, FinishReason.ABORT)
-
-    def _output(self, rid: str, r: dict[str, Any], new: int, reason: FinishReason | None) -> RequestOutput:
-        c = CompletionOutput(0, "t" * r["n"], [7] * r["n"], reason, delta_text="t" * new, delta_token_ids=[7] * new)
-        return RequestOutput(rid, None, r["ids"], [c], finished=reason is not None,
-                             metrics=RequestMetrics(arrival_time=r["arrival"], ttft_s=0.01))
-
-    def step(self) -> list[RequestOutput]:
-        start = time.perf_counter()
-        deadline = start + self.host_s
-        x = 0
-        while time.perf_counter() < deadline:  # Python work: holds the GIL as the engine's host work does
-            x += sum(range(50))
-        outs = []
-        for rid, r in list(self.requests.items())[: self.max_num_seqs]:
-            new = min(self.tokens_per_step, r["max"] - r["n"])
-            r["n"] += new
-            r["since"] += new
-            done = r["n"] >= r["max"]
-            if done or r["since"] >= self.stream_interval * self.tokens_per_step:
-                outs.append(self._output(rid, r, r["since"], FinishReason.LENGTH if done else None))
-                r["since"] = 0
-            if done:
-                del self.requests[rid]
-        self.num_steps += 1
-        time.sleep(max(0.0, self.step_s * self.tokens_per_step - (time.perf_counter() - start)))
-        return outs
-
-    def stats(self) -> dict[str, Any]:
-        return {"num_steps": self.num_steps}
-
-
-class FakeLLM:
-    def __init__(self, engine: FakeEngine) -> None:
-        self.engine, self.tokenizer = engine, None
-        self.model_config = type("Config", (), {"vocab_size": 32000})()
+from jaxinfer.bench.stand_in import StandInEngine, StandInLLM
 
 
 def serve(args: argparse.Namespace) -> None:
@@ -115,8 +39,8 @@ def serve(args: argparse.Namespace) -> None:
     from jaxinfer.serve.app import build_app
     from jaxinfer.serve.state import ServeConfig
 
-    engine = FakeEngine(args.step_ms, args.host_ms, args.tokens_per_step, args.max_num_seqs)
-    llm = AsyncLLM.from_llm(FakeLLM(engine), stream_interval=args.stream_interval)
+    engine = StandInEngine(args.step_ms, args.host_ms, args.tokens_per_step, args.max_num_seqs)
+    llm = AsyncLLM.from_llm(StandInLLM(engine), stream_interval=args.stream_interval)
     app = build_app(llm, ServeConfig(served_model_name="fake"))
     uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", **_uvicorn_kwargs(args.stack))
 
@@ -127,7 +51,7 @@ def _uvicorn_kwargs(stack: str) -> dict[str, str]:
 
 def engine_alone(args: argparse.Namespace, num_prompts: int, output_len: int) -> float:
     """Output tok/s of the stand-in engine driven with no server, at the same load (closed loop)."""
-    engine = FakeEngine(args.step_ms, args.host_ms, args.tokens_per_step, args.max_num_seqs)
+    engine = StandInEngine(args.step_ms, args.host_ms, args.tokens_per_step, args.max_num_seqs)
     params = type("P", (), {"max_tokens": output_len, "output_kind": None})()
     sent, t = 0, time.perf_counter()
     while sent < num_prompts or engine.requests:

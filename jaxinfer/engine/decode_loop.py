@@ -188,6 +188,7 @@ class DecodeLoop:
         t = time.perf_counter()
         follow = self._continuation(call) if self.overlap and follow_on else None
         t = self.engine.times.add("prepare", t)
+        self.engine.waiting_on_device()
         try:
             out = self._await(call)
             self.inflight = follow(out) if follow is not None else None

@@ -16,7 +16,7 @@ from __future__ import annotations
 import bisect
 import itertools
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -122,6 +122,10 @@ class Engine:
         # last): the server's --stream-interval. Each output is host work on this thread and an event on a
         # server's loop, one per row per step for rows that decode one token per step (structured output).
         self.stream_interval = 1
+        # Called on this thread just before it blocks on the device (`waiting_on_device`): a front end on
+        # another thread (AsyncLLM) hands the previous step's outputs to its event loop then, so that the
+        # loop's work runs while this thread waits instead of competing with it for the GIL.
+        self.on_device_wait: Callable[[], None] | None = None
         self.out = OutputPath(self)
         self.compile_threads = compile_threads  # None: half the host's cores
         cfg = runner.cfg
@@ -263,6 +267,11 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - the abort stands; the output says what broke
             state.fail(f"{type(e).__name__}: {e}")
         return self.out.output(state)
+
+    def waiting_on_device(self) -> None:
+        """This thread is about to block until the device returns (see `on_device_wait`)."""
+        if self.on_device_wait is not None:
+            self.on_device_wait()
 
     def has_unfinished(self) -> bool:
         # A decode call still in flight when nothing is unfinished holds only rows finished since its launch;

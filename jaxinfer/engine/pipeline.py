@@ -139,6 +139,7 @@ class StepPipeline:
             self.ahead = _Ahead(ahead[0], shape, launched)
         self._gil_handoff(self.ahead is not None)
         t = engine.times.add("prepare", t)
+        engine.waiting_on_device()
         try:
             engine.penalties, out, counts, prompt = sampled.result()
             out, counts, prompt = jax.device_get((out, counts, prompt))

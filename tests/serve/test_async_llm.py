@@ -168,3 +168,44 @@ def test_stream_interval_sends_every_nth_token_and_loses_nothing(tiny_llm) -> No
     with pytest.raises(InvalidInput) as err:
         AsyncLLM.from_llm(tiny_llm, stream_interval=0)
     assert err.value.field == "stream_interval"
+
+
+def test_a_steps_outputs_reach_the_loop_while_the_next_step_waits_on_the_device() -> None:
+    """Outputs of step k are handed to the event loop when step k+1 blocks on the device, not while it prepares
+    (where the loop's work per output would compete with it for the GIL)."""
+    from jaxinfer.bench.stand_in import StandInEngine, StandInLLM
+
+    received = []  # every output, as the event loop gets it
+
+    class Probe(StandInEngine):
+        def __init__(self) -> None:
+            super().__init__(step_ms=1.0, host_ms=0.0, tokens_per_step=1, max_num_seqs=4)
+            self.before_wait, self.after_wait = [], []
+
+        def step(self):
+            k = self.num_steps
+            time.sleep(0.05)  # step k's host work: time enough for the loop to take anything handed to it
+            self.before_wait.append(len(received))
+            outs = super().step()  # calls on_device_wait, then waits as on the device
+            deadline = time.monotonic() + 2
+            while len(received) < k and time.monotonic() < deadline:
+                time.sleep(0.001)
+            self.after_wait.append(len(received))
+            return outs
+
+    engine = Probe()
+
+    async def main():
+        llm = AsyncLLM.from_llm(StandInLLM(engine))
+        llm.on_outputs = received.extend
+        outs = [o async for o in llm.generate({"prompt_token_ids": [1, 2]}, SamplingParams(max_tokens=6),
+                                              request_id="r")]
+        await llm.shutdown()
+        return outs
+
+    outs = _run(main())
+    assert outs[-1].finished and len(outs[-1].outputs[0].token_ids) == 6
+    assert len(received) == 6
+    # Before step k's device wait the loop has the outputs of steps 0..k-2; after it, step k-1's too.
+    assert engine.before_wait == [0, 0, 1, 2, 3, 4]
+    assert engine.after_wait == [0, 1, 2, 3, 4, 5]
