@@ -128,10 +128,12 @@ class OutputPath:
         outputs = []
         interval = self.engine.stream_interval
         for rid, state in touched.items():
-            if state.finished or (state.output_kind is not RequestOutputKind.FINAL_ONLY
-                                  and (interval == 1 or _stream_output_due(state, interval))):
+            finished = state.finished
+            if finished or (state.output_kind is not RequestOutputKind.FINAL_ONLY
+                            and (interval == 1 or _stream_output_due(state, interval))):
                 outputs.append(self.output(state))
-            if state.finished:
+                finished = state.finished  # building the output can fail the request
+            if finished:
                 del self.engine.requests[rid]
         return outputs
 

@@ -76,7 +76,10 @@ class RequestState:
 
     @property
     def finished(self) -> bool:
-        return all(s.finish_reason is not None for s in self.seqs)
+        seqs = self.seqs
+        if len(seqs) == 1:  # the common case, asked several times per output of every streamed step
+            return seqs[0].finish_reason is not None
+        return all(s.finish_reason is not None for s in seqs)
 
     @property
     def num_generated(self) -> int:
