@@ -131,6 +131,7 @@ class LLM:
         num_pages: int | None = None,
         memory_fraction: float | None = None,
         decode_steps_per_call: int | None = None,
+        single_step_max_rows: int | None = None,
         overlap_decode: bool = True,
         compile_threads: int | None = None,
         compilation_cache_dir: str | Path | None = "auto",
@@ -165,6 +166,7 @@ class LLM:
                                         memory_fraction=args.memory_fraction,
                                         gpu_memory_utilization=args.gpu_memory_utilization)
         self.decode_steps_per_call = args.decode_steps_per_call
+        self.single_step_max_rows = args.single_step_max_rows
         self.overlap_decode = args.overlap_decode
         self.compile_threads = args.compile_threads
         self.compilation_cache_dir = use_compilation_cache(args.compilation_cache_dir)
@@ -300,8 +302,8 @@ class LLM:
         engine = Engine(
             runner, self.tokenizer, self.engine_config, self.cache_config,
             enable_prefix_caching=prefix_caching, use_tqdm=use_tqdm,
-            decode_steps_per_call=self.decode_steps_per_call, overlap_decode=self.overlap_decode,
-            compile_threads=self.compile_threads, seed=self.args.seed, speculative=self.args.speculative,
+            decode_steps_per_call=self.decode_steps_per_call, single_step_max_rows=self.single_step_max_rows,
+            overlap_decode=self.overlap_decode, compile_threads=self.compile_threads, seed=self.args.seed, speculative=self.args.speculative,
             draft_runner=draft_runner,
         )
         if self.args.seed is None and distributed.is_multiprocess():  # every process must draw the same seeds

@@ -3,7 +3,8 @@ before the last one is read back. A collaborator of `Engine` (it reads the engin
 request states, and hands tokens to its output path); the engine decides when a plan is all decodes.
 
 Multi-step decode (`decode_steps_per_call` = N > 1): when a plan holds only decodes (one token each, no
-prefill chunk, no preemption), the runner runs up to N decode iterations in one device call. The scheduler
+prefill chunk, no preemption) and more rows than `single_step_max_rows` (smaller batches run pipelined single
+steps: `Engine.decodes_singly`), the runner runs up to N decode iterations in one device call. The scheduler
 reserved pages for one token, so rows whose last page has less room get pages reserved ahead
 (`Scheduler.reserve_lookahead`, free or evictable pages only); the call runs k = min(N, room) iterations,
 where room is the least number of free positions left in any row's pages (a row that could not get pages,
@@ -96,7 +97,7 @@ class DecodeLoop:
         sizes above a few. Rows still finishing their prompt (a fork may share their pages) are not
         extended, and a row that cannot get pages bounds the call by its room."""
         n = self.steps_per_call
-        if n == 1 or plan.preempted:
+        if n == 1 or plan.preempted or self.engine.decodes_singly(len(plan.seqs)):
             return plan, 1
         if any(e.num_new_tokens != 1 or not e.sample for e in plan.seqs):
             return plan, 1

@@ -109,6 +109,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         use_tqdm: bool = True,
         decode_steps_per_call: int = 1,
+        single_step_max_rows: int = 0,
         overlap_decode: bool = True,
         compile_threads: int | None = None,
         seed: int | None = None,
@@ -118,6 +119,7 @@ class Engine:
         self.runner, self.tokenizer, self.use_tqdm = runner, tokenizer, use_tqdm
         self.loop = DecodeLoop(self, _at_least_one("decode_steps_per_call", decode_steps_per_call), overlap_decode)
         self.pipeline = StepPipeline(self, overlap_decode)
+        self.single_step_max_rows = single_step_max_rows  # see decodes_singly
         # Streamed (DELTA/CUMULATIVE) requests get an output every this many tokens (and at their first and
         # last): the server's --stream-interval. Each output is host work on this thread and an event on a
         # server's loop, one per row per step for rows that decode one token per step (structured output).
@@ -267,6 +269,12 @@ class Engine:
         except Exception as e:  # noqa: BLE001 - the abort stands; the output says what broke
             state.fail(f"{type(e).__name__}: {e}")
         return self.out.output(state)
+
+    def decodes_singly(self, num_rows: int) -> bool:
+        """Whether a decode-only step of `num_rows` rows runs one iteration per device call (pipelined:
+        engine/pipeline.py) rather than `decode_steps_per_call`: always at 1, and up to `single_step_max_rows`
+        rows when the pipeline can launch each call ahead (jaxinfer.platform says why)."""
+        return self.decode_steps_per_call == 1 or (self.pipeline.enabled and num_rows <= self.single_step_max_rows)
 
     def waiting_on_device(self) -> None:
         """This thread is about to block until the device returns (see `on_device_wait`)."""

@@ -7,7 +7,9 @@ plan next is one more decode of the same rows (nothing else runs, and nothing th
 device tokens as its input ids, and only then reads the tokens back. The host's work on this step's tokens (detokenizing, stop checks, advancing
 the grammar matchers, filling the next step's masks) then overlaps the next forward instead of leaving the device
 idle. This is how structured-output rows keep the device busy: each of their masks depends on the token before,
-so they cannot run multi-step decode (decode_loop.py). It serves plain decode at decode_steps_per_call=1 too.
+so they cannot run multi-step decode (decode_loop.py). It serves plain decode too, at decode_steps_per_call=1
+and for decode batches of at most `single_step_max_rows` rows (`Engine.decodes_singly`: on a GPU that was at
+least as fast as multi-step calls, and it streams tokens one by one).
 
 The next forward is planned from what the host knows when it launches (tokens up to the step before): each row
 decodes at the next position, with pages reserved ahead (`Scheduler.reserve_lookahead`); rows already finished,
@@ -224,7 +226,7 @@ class StepPipeline:
         if any(e.num_new_tokens != 1 or not e.sample or e.num_draft for e in plan.seqs):
             return None
         states = [engine.requests[e.key[0]] for e in plan.seqs]
-        if engine.decode_steps_per_call > 1 and not any(s.has_grammar for s in states):
+        if not engine.decodes_singly(len(plan.seqs)) and not any(s.has_grammar for s in states):
             return None
         if any(e.start_pos < len(s.prompt_token_ids) for e, s in zip(plan.seqs, states)):
             return None  # a prompt ends in this step: a fork may share its pages (DecodeLoop.iterations)
@@ -270,7 +272,7 @@ class StepPipeline:
         engine = self.engine
         if not running:
             return False
-        return engine.decode_steps_per_call == 1 or any(
+        return engine.decodes_singly(len(running)) or any(
             state is not None and state.has_grammar for state in map(engine.requests.get, running))
 
     def _no_extras(self, shape: BatchShape) -> ForwardInputs:

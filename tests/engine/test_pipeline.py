@@ -226,3 +226,33 @@ def test_pipeline_on_gpu_with_the_platform_kernels() -> None:
         assert (stats["num_pipelined_steps"] > 0) == pipeline and stats["num_compiles_after_warmup"] == 0
         del llm
     assert runs[True] == runs[False]
+
+
+def test_small_decode_batches_run_pipelined_single_steps_and_large_ones_multi_step_calls() -> None:
+    """`single_step_max_rows`: a decode batch of at most that many rows runs one iteration per call, pipelined;
+    a larger one runs multi-step calls. Greedy tokens equal the reference either way."""
+    def engine_with(max_rows: int) -> Engine:
+        engine = Engine(shared_runner(16), None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                                              max_model_len=MAX_LEN),
+                        CacheConfig(page_size=16), use_tqdm=False, decode_steps_per_call=4, single_step_max_rows=max_rows)
+        engine.warmup()
+        return engine
+
+    want = [reference_greedy(tuple(p), GREEDY.max_tokens) for p in PROMPTS]
+    for max_rows, pipelined in ((4, True), (3, False)):  # the batch is 4 rows
+        engine = engine_with(max_rows)
+        before_calls = engine.stats()["num_overlapped_calls"]
+        outs = engine.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == want
+        stats = engine.stats()
+        assert (stats["num_pipelined_steps"] > 0) == pipelined, (max_rows, stats["num_pipelined_steps"])
+        # Multi-step calls launched ahead happen only when the batch is over the limit.
+        assert (stats["num_overlapped_calls"] > before_calls) == (not pipelined), stats["num_overlapped_calls"]
+        _check_clean(engine, pipelined)
+    # One row left (the others finished): a batch that small steps singly even under a low limit.
+    engine = engine_with(1)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 4, 4, 20)]
+    outs = engine.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [w[:n] for w, n in zip(
+        [reference_greedy(tuple(p), 20) for p in PROMPTS], (4, 4, 4, 20))]
+    assert engine.stats()["num_pipelined_steps"] > 0
