@@ -31,16 +31,17 @@ class PlatformDefaults:
     memory_fraction: float  # of each device's memory still free after the weights, for the KV cache
     # Decode batches of at most this many rows run one iteration per device call, each call launched before
     # the previous one's tokens are read (engine/pipeline.py). On an H100 (Llama-3-8B shape) that was faster
-    # than 8-iteration calls at batch 1 and 8 and even at 64 (7.81 / 7.31 / 12.93 ms per token against 8.25 /
-    # 8.83 / 12.90), with tokens arriving one by one (ITL p99 1.2x the median at concurrency 1, not ~3,000x).
-    # A CPU runs the "device" work on the host's own cores, so it keeps multi-step calls.
+    # than 8-iteration calls at batch 1 and 8 (7.81 / 7.31 ms per token against 8.25 / 8.83), with tokens
+    # arriving one by one (ITL p99 1.2x the median at concurrency 1, not ~3,000x). At 64 rows pure decode was
+    # even (12.93 / 12.90 ms), but a served mix of prefills and decodes at 64 lost ~5%: 8 is what was measured
+    # to win. A CPU runs the "device" work on the host's own cores, so it keeps multi-step calls.
     single_step_max_rows: int
 
 
 CPU = PlatformDefaults(max_num_seqs=16, max_num_batched_tokens=512, decode_steps_per_call=4, memory_fraction=0.5,
                        single_step_max_rows=0)
 ACCELERATOR = PlatformDefaults(max_num_seqs=256, max_num_batched_tokens=4096, decode_steps_per_call=8,
-                               memory_fraction=0.85, single_step_max_rows=64)
+                               memory_fraction=0.85, single_step_max_rows=8)
 FIELDS = tuple(f.name for f in dataclasses.fields(PlatformDefaults))
 
 CPU_FLOAT_WEIGHTS_FRACTION = 1 / 8
