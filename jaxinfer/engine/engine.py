@@ -273,8 +273,10 @@ class Engine:
     def decodes_singly(self, num_rows: int) -> bool:
         """Whether a decode-only step of `num_rows` rows runs one iteration per device call (pipelined:
         engine/pipeline.py) rather than `decode_steps_per_call`: always at 1, and up to `single_step_max_rows`
-        rows when the pipeline can launch each call ahead (jaxinfer.platform says why)."""
-        return self.decode_steps_per_call == 1 or (self.pipeline.enabled and num_rows <= self.single_step_max_rows)
+        rows when the pipeline can launch each call ahead (jaxinfer.platform says why; speculative decoding
+        never pipelines, so its plain steps keep the multi-step loop)."""
+        return self.decode_steps_per_call == 1 or (self.pipeline.enabled and self.spec is None
+                                                   and num_rows <= self.single_step_max_rows)
 
     def waiting_on_device(self) -> None:
         """This thread is about to block until the device returns (see `on_device_wait`)."""
