@@ -303,8 +303,8 @@ class LLM:
             runner, self.tokenizer, self.engine_config, self.cache_config,
             enable_prefix_caching=prefix_caching, use_tqdm=use_tqdm,
             decode_steps_per_call=self.decode_steps_per_call, single_step_max_rows=self.single_step_max_rows,
-            overlap_decode=self.overlap_decode, compile_threads=self.compile_threads, seed=self.args.seed, speculative=self.args.speculative,
-            draft_runner=draft_runner,
+            overlap_decode=self.overlap_decode, compile_threads=self.compile_threads, seed=self.args.seed,
+            speculative=self.args.speculative, draft_runner=draft_runner,
         )
         if self.args.seed is None and distributed.is_multiprocess():  # every process must draw the same seeds
             engine.reseed(distributed.shared_seed(int(np.random.default_rng().integers(2**62))))

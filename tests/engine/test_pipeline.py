@@ -234,7 +234,8 @@ def test_small_decode_batches_run_pipelined_single_steps_and_large_ones_multi_st
     def engine_with(max_rows: int) -> Engine:
         engine = Engine(shared_runner(16), None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16,
                                                               max_model_len=MAX_LEN),
-                        CacheConfig(page_size=16), use_tqdm=False, decode_steps_per_call=4, single_step_max_rows=max_rows)
+                        CacheConfig(page_size=16), use_tqdm=False, decode_steps_per_call=4,
+                        single_step_max_rows=max_rows)
         engine.warmup()
         return engine
 
