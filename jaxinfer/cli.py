@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from jaxinfer.checkpoint import CheckpointError
 from jaxinfer.config import ConfigError
+from jaxinfer.llm_args import ATTENTION_IMPLS
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
@@ -28,7 +29,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--block-size", type=int, default=None, help="tokens per KV page (default 16)")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of each device's memory the engine may use (vLLM's meaning)")
-    p.add_argument("--attention-impl", default="auto", choices=["auto", "reference", "xla", "pallas_tpu", "pallas_gpu"])
+    p.add_argument("--attention-impl", default="auto", choices=ATTENTION_IMPLS)
     _quantization_args(p)
 
 

@@ -18,6 +18,7 @@ from typing import Any, Self
 import yaml
 
 from jaxinfer.errors import ConfigError, InvalidInput, InvalidInputType
+from jaxinfer.llm_args import ATTENTION_IMPLS
 from jaxinfer.validation import (
     RequestOutputKind,
     check_sampling_fields,
@@ -327,10 +328,9 @@ class EngineConfig(FromDict):
             raise ConfigError(
                 f"EngineConfig.max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}."
             )
-        allowed = ("auto", "reference", "xla", "pallas_tpu", "pallas_gpu")
-        if self.attention_impl not in allowed:
+        if self.attention_impl not in ATTENTION_IMPLS:
             raise ConfigError(
-                f"EngineConfig.attention_impl: {self.attention_impl!r} is not one of {', '.join(allowed)}."
+                f"EngineConfig.attention_impl: {self.attention_impl!r} is not one of {', '.join(ATTENTION_IMPLS)}."
             )
 
 
