@@ -8,6 +8,10 @@ TPU, the Pallas GPU kernel on GPU when it takes the call (`gpu.supported`: bf16/
 the same dtype or int8/fp8 experts, K and N multiples of 64) and the reference otherwise.
 `interpret=True` runs a Pallas kernel in interpret mode (works on CPU). `tiling` overrides the
 tuned tiles (`tuning.GpuTiling` / `tuning.TpuTiling`).
+
+    out = gather_matmul(lhs [R, K], rhs, rows [P], experts [P], impl=...)   # out[p] = lhs[rows[p]] @ rhs[experts[p]]
+
+is the per-pair form for MoE decode steps of a few tokens (no sort; GPU kernel, reference elsewhere).
 """
 
 from __future__ import annotations
@@ -50,5 +54,18 @@ def grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array, *, impl: Impl = 
     return gpu.grouped_matmul(lhs, rhs, group_sizes, **kwargs, tiling=tiling, interpret=interpret)
 
 
-__all__ = ["GpuTiling", "QuantizedExperts", "TpuTiling", "dequantize", "grouped_matmul",
+def gather_matmul(lhs: jax.Array, rhs, rows: jax.Array, experts: jax.Array, *, impl: Impl = "auto",
+                  interpret: bool = False, preferred_element_type=None, tiling: GpuTiling | None = None) -> jax.Array:
+    """The per-pair form, out[p] = lhs[rows[p]] @ rhs[experts[p]] ([P, N], zeros where experts[p] is outside
+    [0, G)): the MoE decode path for a few tokens, with no sort. Only the GPU has a kernel for it; elsewhere
+    (and for calls the GPU kernel does not take) it runs the reference, which gathers a weight copy per pair."""
+    from pallas_kernels.grouped_matmul import gpu
+    chosen = resolve_impl(impl, gpu_supported=gpu.supported(lhs, rhs))
+    if chosen == "pallas_gpu":
+        return gpu.gather_matmul(lhs, rhs, rows, experts, preferred_element_type=preferred_element_type,
+                                 tiling=tiling, interpret=interpret)
+    return reference.gather_matmul(lhs, rhs, rows, experts, preferred_element_type=preferred_element_type)
+
+
+__all__ = ["GpuTiling", "QuantizedExperts", "TpuTiling", "dequantize", "gather_matmul", "grouped_matmul",
            "quantize_experts", "reference", "resolve_impl"]

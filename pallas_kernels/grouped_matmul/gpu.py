@@ -242,45 +242,55 @@ def _gather_cols(parts, items: WorkItems, m: int) -> jax.Array:
     """[splits, W, N, tile_m] partials -> [M, N] rows, zeros past the last group. Row r of group g
     is column (r - first row of g's items) of g's run of items: item first_item[g] + that // tile_m."""
     splits, num_items, n, tile_m = parts.shape
-    tiles = parts[0] if splits == 1 else parts.astype(jnp.float32).sum(axis=0)  # [W, N, tm]
     r = jnp.arange(m, dtype=jnp.int32)
     grp = jnp.searchsorted(items.ends, r, side="right", method="compare_all")  # [M]: the row's group
     grp = jnp.minimum(grp, items.ends.shape[0] - 1)
     flat = items.first_item[grp] * tile_m + r - items.starts[grp] // _ROW_ALIGN * _ROW_ALIGN  # [M]
     flat = jnp.clip(flat, 0, num_items * tile_m - 1)
-    # One gather straight from the tile-major layout (no transposed copy of the partials).
-    rows = tiles[(flat // tile_m)[:, None], jnp.arange(n)[None, :], (flat % tile_m)[:, None]]  # [M, N]
+    # Gathered straight from the tile-major layout (no transposed copy), and before the splits are summed: the
+    # table is sized for the worst routing, so most items of a decode call are empty and never written.
+    item, col = (flat // tile_m)[:, None], (flat % tile_m)[:, None]  # [M, 1] each
+    rows = parts[:, item, jnp.arange(n)[None, :], col]  # [splits, M, N]
+    rows = rows[0] if splits == 1 else rows.astype(jnp.float32).sum(axis=0)  # [M, N]
     return jnp.where((r < items.ends[-1])[:, None], rows, 0)
 
 
-def _run_cols(x, w, scales, group_sizes, m, out_dtype, tiling, interpret):
+def _cols_parts(meta, x, w, scales, splits, part_dtype, tiling, interpret):
+    """The cols kernel over the work items in meta [4, W]: [splits, W, N, tile_m] partial tiles."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    mp, k = x.shape
+    k = x.shape[1]
     quantized = scales is not None
     n = w.shape[1] if quantized else w.shape[2]
     tm, tn, tk = tiling.tile_m, tiling.tile_n, tiling.tile_k
-    k_steps = k // tk
-    splits = tiling.k_splits or default_k_splits(m, group_sizes.shape[0], n // tn, k_steps)
-    part_dtype = out_dtype if splits == 1 else jnp.float32  # split partials are summed in fp32
-    num_items = max_work_items(mp, group_sizes.shape[0], tm)
-    items = work_items(group_sizes, mp, tm, num_items, zero_tail=False)
+    num_items = meta.shape[1]
     a_in_registers = quantized and not interpret  # the interpreter's wgmma reads SMEM only
     scratch = [plgpu.SMEM((tn, tm), part_dtype)]
-    operands = [items.meta, x, w]
+    operands = [meta, x, w]
     if quantized:
         operands.append(scales)
         scratch += [plgpu.SMEM((tn,), jnp.float32), plgpu.Barrier(num_arrivals=1)]
         if not a_in_registers:
             scratch.append(plgpu.SMEM((tn, tk), x.dtype, transforms=_transforms(x.dtype, tk)))
-    kernel = functools.partial(_cols_kernel, tiling=tiling, k_steps=k_steps // splits,
+    kernel = functools.partial(_cols_kernel, tiling=tiling, k_steps=k // tk // splits,
                                quantized=quantized, a_in_registers=a_in_registers)
-    parts = plgpu.kernel(
+    return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((splits, num_items, n, tm), part_dtype),
         scratch_types=scratch, grid=(num_items, splits, n // tn), grid_names=("w", "k", "n"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(interpret),
     )(*operands)
+
+
+def _run_cols(x, w, scales, group_sizes, m, out_dtype, tiling, interpret):
+    mp, k = x.shape
+    n = w.shape[1] if scales is not None else w.shape[2]
+    k_steps = k // tiling.tile_k
+    splits = tiling.k_splits or default_k_splits(m, group_sizes.shape[0], n // tiling.tile_n, k_steps)
+    part_dtype = out_dtype if splits == 1 else jnp.float32  # split partials are summed in fp32
+    items = work_items(group_sizes, mp, tiling.tile_m, max_work_items(mp, group_sizes.shape[0], tiling.tile_m),
+                       zero_tail=False)
+    parts = _cols_parts(items.meta, x, w, scales, splits, part_dtype, tiling, interpret)
     return _gather_cols(parts, items, m)
 
 
@@ -566,3 +576,53 @@ def grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array, *, preferred_ele
     if tiling.path == "cols":
         return _run_cols(x, w, scales, gs, m, out_dtype, tiling, interpret).astype(out_dtype)
     return _run_rows(x, w, scales, gs, out_dtype, tiling, interpret)[:m]
+
+
+# ----------------------------------------------------------------------------- per-pair form
+
+# Live pairs assumed when splitting K for the per-pair form: a batch-1 decode step of a top-8 model. Its
+# table has a work item per pair of the token bucket, most of them skipped, so the bucket says little.
+_PAIR_SPLIT_LIVE = 8
+
+
+def pair_tiling(k: int, n: int, rhs_dtype, tiling: tuning.GpuTiling | None = None) -> tuning.GpuTiling:
+    """The cols tiling of the per-pair form: 8-row items; K split (at most tiling.k_splits, rounded down to
+    a divisor of the K steps) so that the CTAs of _PAIR_SPLIT_LIVE live pairs cover the SMs."""
+    base = tiling or tuning.gpu_tiling(1, k, n, 1, jnp.dtype(rhs_dtype))  # the one-row-per-expert entry
+    k_steps = k // base.tile_k
+    want = base.k_splits or max(1, -(-_NUM_SMS // (_PAIR_SPLIT_LIVE * (n // base.tile_n))))
+    splits = max(d for d in range(1, max(1, min(want, k_steps)) + 1) if k_steps % d == 0)
+    return dataclasses.replace(base, path="cols", tile_m=_ROW_ALIGN, k_splits=splits)
+
+
+@functools.partial(jax.jit, static_argnames=("preferred_element_type", "tiling", "interpret"))
+def gather_matmul(lhs: jax.Array, rhs, rows: jax.Array, experts: jax.Array, *, preferred_element_type=None,
+                  tiling: tuning.GpuTiling | None = None, interpret: bool = False) -> jax.Array:
+    """out[p] = lhs[rows[p]] @ rhs[experts[p]] for P pairs, zeros where experts[p] is outside [0, G); [P, N].
+
+    The cols kernel with one work item per pair and no sort: item p reads the 8-row lhs tile holding row
+    rows[p] and its expert's weights, and keeps that row's column of the transposed output tile. For decode
+    steps of a few tokens (each pair of a top-k token mostly has an expert of its own) this replaces the
+    sort, the work-item table and the un-permute of the grouped form with one elementwise table; pairs that
+    share an expert read its tiles once each (from L2 when they run together)."""
+    _check_supported(lhs, rhs)
+    r, k = lhs.shape
+    g, _, n = rhs.shape
+    out_dtype = output_dtype(lhs, preferred_element_type)
+    quantized = isinstance(rhs, QuantizedExperts)
+    w, scales = (rhs.values, rhs.scales) if quantized else (rhs, None)
+    tiling = pair_tiling(k, n, w.dtype, tiling)
+    check_tiling(tiling, k, n, quantized=quantized)
+    rp = -(-r // _ROW_ALIGN) * _ROW_ALIGN
+    x = jnp.pad(lhs, ((0, rp - r), (0, 0)))  # [Rp, K]
+    rows, experts = rows.astype(jnp.int32), experts.astype(jnp.int32)
+    live = (experts >= 0) & (experts < g)  # [P]
+    meta = jnp.stack([jnp.where(live, experts, -1), rows // _ROW_ALIGN * _ROW_ALIGN,
+                      jnp.where(live, rows, 0), jnp.where(live, rows + 1, 0)])  # [4, P]
+    splits = tiling.k_splits
+    parts = _cols_parts(meta, x, w, scales, splits, out_dtype if splits == 1 else jnp.float32, tiling,
+                        interpret)  # [splits, P, N, 8]
+    p = rows.shape[0]
+    picked = parts[:, jnp.arange(p)[:, None], jnp.arange(n)[None, :], (rows % _ROW_ALIGN)[:, None]]  # [splits, P, N]
+    out = picked[0] if splits == 1 else picked.astype(jnp.float32).sum(axis=0)  # [P, N]
+    return jnp.where(live[:, None], out, 0).astype(out_dtype)

@@ -127,3 +127,18 @@ def grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array, *,
                              precision=jax.lax.Precision.HIGHEST,
                              preferred_element_type=jnp.float32)  # [M, N]
     return out.astype(output_dtype(lhs, preferred_element_type))
+
+
+def gather_matmul(lhs: jax.Array, rhs, rows: jax.Array, experts: jax.Array, *,
+                  preferred_element_type=None) -> jax.Array:
+    """The specification of the per-pair form: out[p] = lhs[rows[p]] @ rhs[experts[p]], zeros where
+    experts[p] is outside [0, G); [P, N]. It gathers a [K, N] weight copy per pair, so it is meant for
+    tests and small shapes; the GPU kernel reads each pair's expert tiles in place."""
+    g = rhs_shape(rhs)[0]
+    check_args(lhs, rhs, jnp.zeros((g,), jnp.int32))
+    w = dequantize(rhs) if isinstance(rhs, QuantizedExperts) else rhs.astype(jnp.float32)
+    live = (experts >= 0) & (experts < g)  # [P]
+    x = jnp.take(lhs.astype(jnp.float32), rows, axis=0)  # [P, K]
+    wp = jnp.take(w, jnp.where(live, experts, 0), axis=0)  # [P, K, N]
+    out = jnp.einsum("pk,pkn->pn", x, wp, precision=jax.lax.Precision.HIGHEST)  # [P, N]
+    return jnp.where(live[:, None], out, 0).astype(output_dtype(lhs, preferred_element_type))

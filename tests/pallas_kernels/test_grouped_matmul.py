@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from pallas_kernels.grouped_matmul import (GpuTiling, QuantizedExperts, TpuTiling, dequantize,
+from pallas_kernels.grouped_matmul import (GpuTiling, QuantizedExperts, TpuTiling, dequantize, gather_matmul,
                                            grouped_matmul, quantize_experts, resolve_impl, tuning)
 from pallas_kernels.grouped_matmul import gpu, tpu
 
@@ -429,3 +429,99 @@ def test_gpu_rows_and_cols_agree_on_the_same_call(rng):
     rows_ws = gpu.grouped_matmul(x, rhs, gs, tiling=GpuTiling("rows_ws", 128, 256, 64, 3))
     auto = grouped_matmul(x, rhs, gs)
     assert _rel(cols, rows) < 1e-2 and _rel(rows_ws, rows) < 1e-2 and _rel(auto, cols) < 1e-2
+
+
+# ----------------------------------------------------------------------------- per-pair form (gather_matmul)
+
+
+def _pairs(rng, tokens: int, top_k: int, experts: int, *, skip: float = 0.25):
+    """Rows and experts of `tokens` x `top_k` pairs (distinct experts per token), a share of them skipped
+    (expert -1, as padding tokens and other devices' experts are) and one pair given an expert past G."""
+    picks = np.argsort(rng.random((tokens, experts)), axis=1)[:, :top_k]  # [T, k]
+    picks = np.where(rng.random(picks.shape) < skip, -1, picks).astype(np.int32)
+    picks.ravel()[rng.integers(picks.size)] = experts  # outside [0, G): also skipped
+    rows = np.repeat(np.arange(tokens, dtype=np.int32), top_k)
+    return jnp.asarray(rows), jnp.asarray(picks.ravel())
+
+
+def _pair_oracle(x, rhs, rows, experts) -> np.ndarray:
+    w = dequantize(rhs) if isinstance(rhs, QuantizedExperts) else rhs
+    x64 = np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+    w64 = np.asarray(jnp.asarray(w, jnp.float32), np.float64)
+    out = np.zeros((len(rows), w64.shape[2]))
+    for p, (r, e) in enumerate(zip(np.asarray(rows), np.asarray(experts))):
+        if 0 <= e < w64.shape[0]:
+            out[p] = x64[r] @ w64[e]
+    return out
+
+
+@pytest.mark.parametrize("quant", [None, "int8"])
+def test_gather_matmul_reference_matches_float64_oracle(rng, quant):
+    rows, experts = _pairs(rng, 5, 3, 6)
+    x, rhs, _ = _inputs(rng, 5, 48, 40, np.zeros(6, np.int32), jnp.float32, quant)
+    got = gather_matmul(x, rhs, rows, experts, impl="reference")
+    assert _rel(got, _pair_oracle(x, rhs, rows, experts)) < 1e-6
+
+
+GATHER_INTERPRET_CASES = {  # tokens, top_k, experts, K, N, quant, tiling or None (pair_tiling's)
+    "bf16_default": (13, 4, 9, 256, 128, None, None),
+    "bf16_k_splits_4": (6, 2, 5, 512, 64, None, GpuTiling("cols", 8, 64, 64, 2, k_splits=4)),
+    "int8": (9, 3, 7, 256, 128, "int8", None),
+    "fp8_tile_n_128": (4, 2, 3, 128, 256, "fp8", GpuTiling("cols", 8, 128, 64, 2, k_splits=1)),
+}
+
+
+@pytest.mark.parametrize("name", list(GATHER_INTERPRET_CASES))
+def test_gather_matmul_gpu_kernel_in_interpret_mode_matches_reference(rng, name):
+    """Pairs whose rows sit anywhere in their 8-row tile, shared and skipped experts, K splits; interpret mode
+    fills fresh memory with NaN, so a skipped pair that leaked a tile would fail."""
+    tokens, top_k, groups, k, n, quant, tiling = GATHER_INTERPRET_CASES[name]
+    rows, experts = _pairs(rng, tokens, top_k, groups)
+    x, rhs, _ = _inputs(rng, tokens, k, n, np.zeros(groups, np.int32), jnp.bfloat16, quant)
+    got = gather_matmul(x, rhs, rows, experts, impl="pallas_gpu", interpret=True, tiling=tiling)
+    want = gather_matmul(x, rhs, rows, experts, impl="reference", preferred_element_type=jnp.float32)
+    assert got.shape == (tokens * top_k, n) and got.dtype == jnp.bfloat16
+    assert _rel(got, want) < 4e-3, _rel(got, want)
+    skipped = ~((experts >= 0) & (experts < groups))
+    assert not np.any(np.asarray(got[skipped], np.float32)), "skipped pairs must be exact zeros"
+
+
+def test_pair_tiling_splits_k_to_cover_the_sms_and_divides_the_steps():
+    gate = gpu.pair_tiling(2048, 768, jnp.bfloat16)  # 12 N tiles x 8 live pairs = 96 CTAs < 132 SMs
+    assert (gate.path, gate.tile_m, gate.k_splits) == ("cols", 8, 2)
+    down = gpu.pair_tiling(768, 2048, jnp.bfloat16)  # 32 N tiles x 8 = 256 CTAs: no split
+    assert down.k_splits == 1
+    odd = gpu.pair_tiling(768, 2048, jnp.bfloat16, GpuTiling("cols", 8, 64, 128, 4, k_splits=4))
+    assert odd.k_splits == 3  # 6 K steps: the largest divisor not above the 4 asked for
+
+
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_gather_matmul_lowers_for_cuda_at_qwen3_decode_shapes(weights):
+    x, rhs, _ = _abstract_call(16, 2048, 768, weights)
+    pairs = jax.ShapeDtypeStruct((128,), jnp.int32)
+    lowered = jax.jit(lambda x, w, r, e: gpu.gather_matmul(x, w, r, e)).trace(x, rhs, pairs, pairs).lower(
+        lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", [None, "int8", "fp8"])
+@pytest.mark.parametrize("shape", ["gate_up", "down"])
+@pytest.mark.parametrize("tokens, live", [(16, 1), (16, 8), (16, 16)])
+def test_gpu_gather_matmul_matches_reference_at_qwen3_decode(rng, tokens, live, weights, shape):
+    """The engine's decode buckets: 16 tokens x top-8, `live` of them real (the rest skipped pairs)."""
+    k, n = QWEN_SHAPES[shape]
+    rows, experts = _pairs(rng, tokens, 8, QWEN_EXPERTS, skip=0.0)
+    experts = jnp.where(rows < live, experts, -1)
+    x, rhs, _ = _device_inputs(rng, tokens * 8 if shape == "down" else tokens, k, n,
+                               np.zeros(QWEN_EXPERTS, np.int32), weights)
+    if shape == "down":  # the down projection reads one row per pair
+        rows = jnp.arange(tokens * 8, dtype=jnp.int32)
+    got = gather_matmul(x, rhs, rows, experts, impl="pallas_gpu")
+    # The grouped kernel's device reference, one group per pair: exact products, fp32 sums.
+    ids = jnp.where((experts >= 0) & (experts < QWEN_EXPERTS), experts, QWEN_EXPERTS)  # skipped pairs last
+    order = jnp.argsort(ids, stable=True)
+    sizes = jnp.zeros((QWEN_EXPERTS,), jnp.int32).at[ids].add(1, mode="drop")
+    sorted_out = _device_reference(x[rows[order]], rhs, sizes)  # [P, N], pairs in expert order
+    want = jnp.zeros_like(sorted_out).at[order].set(sorted_out)
+    assert _rel(got, want) < 1e-2, _rel(got, want)
