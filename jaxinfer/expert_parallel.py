@@ -24,7 +24,8 @@ import functools
 import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jaxinfer.models.moe import GroupedMatmul, MoEFn, MoEWeights, expert_token_counts, moe_block, moe_partial, route
+from jaxinfer.models.moe import (GroupedMatmul, MoEFn, MoEWeights, PairKernel, expert_token_counts, moe_block,
+                                 moe_partial, route)
 from jaxinfer.sharding import Logical, ShardingRules, axis_size, flat_axes, model_axes
 from pallas_kernels.grouped_matmul import QuantizedExperts
 
@@ -46,18 +47,20 @@ def _weight_specs(rules: ShardingRules, w: MoEWeights) -> MoEWeights:
                       w_up=_expert_spec(rules, w.w_up, embed, ffn), w_down=_expert_spec(rules, w.w_down, ffn, embed))
 
 
-def make_moe_fn(mesh: Mesh | None, rules: ShardingRules, expert_matmul: GroupedMatmul = jax.lax.ragged_dot) -> MoEFn:
+def make_moe_fn(mesh: Mesh | None, rules: ShardingRules, expert_matmul: GroupedMatmul = jax.lax.ragged_dot,
+                pair_kernel: PairKernel | None = None) -> MoEFn:
     """The MoE block the model calls (same signature as jaxinfer.models.moe.moe_block) for this mesh."""
     reduce_axes = flat_axes(model_axes(mesh.shape)) if mesh is not None else ()
     if not reduce_axes:
-        return functools.partial(moe_block, expert_matmul=expert_matmul)
+        return functools.partial(moe_block, expert_matmul=expert_matmul, pair_kernel=pair_kernel)
     ep = axis_size(mesh, EXPERT)
 
     def per_device(x: jax.Array, w: MoEWeights, valid: jax.Array | None, *, top_k: int,
                    norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
         routing = route(x, w.router, top_k, norm_topk_prob)  # the same on every device
         offset = jax.lax.axis_index(EXPERT) * w.w_gate.shape[0] if ep > 1 else 0
-        partial = moe_partial(x, w, routing, valid=valid, expert_offset=offset, expert_matmul=expert_matmul)
+        partial, _ = moe_partial(x, w, routing, valid=valid, expert_offset=offset, expert_matmul=expert_matmul,
+                                 pair_kernel=pair_kernel)
         out = jax.lax.psum(partial, reduce_axes)  # [T, D] f32: other devices' experts, other FFN slices
         return out.astype(x.dtype), expert_token_counts(routing.experts, w.router.shape[1], valid)
 

@@ -49,8 +49,11 @@ from jaxinfer.engine.sampling import (
 from jaxinfer.kv_cache import KVCache, cache_shardings
 from jaxinfer.models import ModelFamily
 from jaxinfer.models.common import AttentionMetadata, gather_last_tokens
+from jaxinfer.models.moe import PairKernel
 from jaxinfer.sharding import Logical, ShardingRules, axis_size, replicated
-from pallas_kernels.grouped_matmul import grouped_matmul
+from pallas_kernels.grouped_matmul import gather_matmul, grouped_matmul
+from pallas_kernels.grouped_matmul import gpu as gmm_gpu
+from pallas_kernels.grouped_matmul import resolve_impl as resolve_experts_impl
 from pallas_kernels.ragged_paged_attention import resolve_impl
 
 
@@ -178,7 +181,13 @@ class ModelRunner:
         # jnp reference (ragged_dot) wherever attention runs jnp (the reference or its xla reordering).
         experts_impl = "reference" if attention_impl == "xla" else attention_impl
         experts = functools.partial(grouped_matmul, impl=experts_impl, interpret=interpret)
-        self.moe_fn = make_moe_fn(mesh, rules, experts) if family.moe else None
+        # Decode steps of a few tokens take the per-pair kernel where the GPU kernel runs (no sort; see
+        # jaxinfer.models.moe). Elsewhere its reference would gather a weight copy per pair: the grouped path stays.
+        pairs = None
+        if resolve_experts_impl(experts_impl) == "pallas_gpu":
+            pairs = PairKernel(functools.partial(gather_matmul, impl="pallas_gpu", interpret=interpret),
+                               takes=gmm_gpu.supported)
+        self.moe_fn = make_moe_fn(mesh, rules, experts, pairs) if family.moe else None
         self.num_experts = cfg.num_experts if family.moe else 0
         self._logits_step = jax.jit(
             functools.partial(self._logits_step_impl, attn_fn=attn_fn),

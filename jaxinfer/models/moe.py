@@ -10,17 +10,20 @@ One MoE layer, for the T tokens of a step (letters: docs/ARCHITECTURE.md; k = ex
    group_sizes [E]) -> [M, F]`, `jax.lax.ragged_dot` by default;
 4. combine: rows put back in (token, slot) order and summed with the routing weights.
 
+Steps of at most PAIR_PATH_MAX_PAIRS pairs (decode) skip 2 and the un-permute of 4 when a `PairKernel` is
+given (the GPU's `gather_matmul`): each pair reads its token's row and its expert's weights in place, so the
+step runs the three expert matmuls and a few elementwise ops instead of a sort, scatters and gathers.
+
 Dropless: every pair is computed, no capacity factor, so results never depend on what else is in the
 batch. Shapes are static (T*k rows whatever the routing); only the group sizes vary, so nothing recompiles.
 Padding tokens (past the step's real tokens) are sent to no expert: they sort last, past every group, and a
 grouped-matmul kernel can skip those rows. Their output rows are zeroed, so a kernel may leave them
 unwritten (ragged_dot writes zeros there; a kernel's garbage must never reach the trash KV page).
 
-Injection points, for the Pallas grouped matmul and expert-parallel dispatch that come later:
-`moe_block(..., expert_matmul=...)` swaps the grouped matmul, and the families' `forward(..., moe_fn=...)`
-swaps the whole block (same signature as `moe_block`, e.g. a `shard_map` over the `expert` mesh axis).
-The block also returns the per-expert token counts of the real tokens (`expert_token_counts`), which are
-its group sizes, for load-balance statistics.
+Injection points: `moe_block(..., expert_matmul=..., pair_kernel=...)` swaps the grouped matmul (and the
+per-pair one), and the families' `forward(..., moe_fn=...)` swaps the whole block (same signature as
+`moe_block`, e.g. a `shard_map` over the `expert` mesh axis). The block also returns the per-expert token
+counts of the real tokens (`expert_token_counts`), which are its group sizes, for load-balance statistics.
 
 The router's expert axis is not the EXPERTS logical axis: every device needs all E logits to pick the
 top-k, and the router is small (D x E), so it stays replicated while the experts themselves shard.
@@ -28,7 +31,9 @@ top-k, and the router is small (D x E), so it stays replicated while the experts
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -41,6 +46,22 @@ from jaxinfer.sharding import Logical as L
 # (lhs [M, D], rhs [E, D, F], group_sizes [E] int32) -> [M, F]: rows of expert e are consecutive, experts in
 # order; rows past sum(group_sizes) are padding.
 GroupedMatmul = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+
+
+@dataclasses.dataclass(frozen=True)
+class PairKernel:
+    """The per-pair expert matmul of decode steps (pallas_kernels.grouped_matmul.gather_matmul on a GPU)."""
+
+    # (lhs [R, D], rhs [E, D, F], rows [P] int32, experts [P] int32) -> [P, F]: out[p] = lhs[rows[p]] @
+    # rhs[experts[p]], zeros where experts[p] is outside [0, E).
+    matmul: Callable[[jax.Array, Any, jax.Array, jax.Array], jax.Array]
+    # (lhs, rhs) -> whether the kernel takes such operands (dtype, tile multiples); if not, the grouped path runs.
+    takes: Callable[[jax.Array, Any], bool]
+
+# Steps of at most this many (token, slot) pairs take the per-pair path when a PairKernel takes them: a decode
+# bucket of 16 tokens at top-8. With a few live tokens the sort, work-item table and un-permute of the grouped
+# path cost more than the experts (scripts/profile_moe_block.py).
+PAIR_PATH_MAX_PAIRS = 128
 
 
 @struct.dataclass
@@ -69,7 +90,9 @@ class Routing:
 
 def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> Routing:
     """Softmax over all experts in float32, the top-k of it, renormalized to sum 1 when asked."""
-    logits = jnp.einsum("td,de->te", x.astype(jnp.float32), router.astype(jnp.float32))  # [T, E]
+    # Products of 16-bit values are exact in float32, so 16-bit operands summed in float32 give the float32
+    # logits without a float32 copy of x and the router (a 4k-token prefill read twice the bytes that way).
+    logits = jnp.einsum("td,de->te", x, router.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, E]
     probs = jax.nn.softmax(logits, axis=-1)
     weights, experts = jax.lax.top_k(probs, top_k)  # [T, k] each; ties go to the lower expert id
     if norm_topk_prob:
@@ -107,13 +130,15 @@ def swiglu_experts(xs: jax.Array, w: MoEWeights, group_sizes: jax.Array, expert_
 
 
 def moe_partial(
-    x: jax.Array, w: MoEWeights, routing: Routing, *, valid: jax.Array | None = None, expert_offset: jax.Array | int = 0,
-    expert_matmul: GroupedMatmul = jax.lax.ragged_dot,
-) -> jax.Array:
+    x: jax.Array, w: MoEWeights, routing: Routing, *, valid: jax.Array | None = None,
+    expert_offset: jax.Array | int = 0, expert_matmul: GroupedMatmul = jax.lax.ragged_dot,
+    pair_kernel: PairKernel | None = None,
+) -> tuple[jax.Array, jax.Array]:
     """The contribution of the experts held in `w` (global ids expert_offset .. + E_local - 1) to every token:
-    x [T, D] -> float32 [T, D]. Pairs routed to other experts, and padding tokens, sort past every local
-    group and add nothing. With all experts local (offset 0) this is the whole MoE output; an expert-parallel
-    caller sums the partials of all devices."""
+    x [T, D] -> (float32 [T, D], the local group sizes [E_local] int32). Pairs routed to other experts, and
+    padding tokens, sort past every local group and add nothing. With all experts local (offset 0) this is the
+    whole MoE output and the group sizes are `expert_token_counts`; an expert-parallel caller sums the partials
+    of all devices."""
     t, d = x.shape
     top_k = routing.experts.shape[1]
     e_local = w.w_gate.shape[0]
@@ -122,14 +147,49 @@ def moe_partial(
     if valid is not None:
         mine &= valid[:, None]
     ids = jnp.where(mine, local, e_local).reshape(-1)  # [T*k], sentinel E_local past every group
-    order = jnp.argsort(ids, stable=True)  # [T*k] pair index of each sorted row; foreign pairs last
     group_sizes = jnp.zeros((e_local,), jnp.int32).at[ids].add(1, mode="drop")  # [E_local]
+    weights = jnp.where(mine, routing.weights, 0.0)  # [T, k]
+    if _pair_path(pair_kernel, x, w, t * top_k):
+        ys = swiglu_pairs(x, w, jnp.where(mine, local, -1).reshape(-1), pair_kernel.matmul)  # [T*k, D], pair order
+        return _combine(ys.reshape(t, top_k, d).swapaxes(0, 1), mine, weights), group_sizes  # [k, T, D] by slot
+    order = jnp.argsort(ids, stable=True)  # [T*k] pair index of each sorted row; foreign pairs last
     xs = jnp.take(x, order // top_k, axis=0)  # [T*k, D], pair p belongs to token p // k
     ys = swiglu_experts(xs, w, group_sizes, expert_matmul)  # [T*k, D] in sorted order
     inverse = jnp.zeros_like(order).at[order].set(jnp.arange(t * top_k, dtype=order.dtype))  # [T*k]
-    y = jnp.take(ys, inverse, axis=0).reshape(t, top_k, d)  # [T, k, D] back in (token, slot) order
-    y = jnp.where(mine[:, :, None], y, 0)  # rows a kernel may have left unwritten, and foreign pairs
-    return jnp.einsum("tkd,tk->td", y.astype(jnp.float32), jnp.where(mine, routing.weights, 0.0))  # [T, D]
+    inverse = inverse.reshape(t, top_k)  # [T, k]: the sorted row of each (token, slot) pair
+    slot_rows = [jnp.take(ys, inverse[:, slot], axis=0) for slot in range(top_k)]  # k x [T, D]
+    return _combine(slot_rows, mine, weights), group_sizes
+
+
+def _pair_path(kernel: PairKernel | None, x: jax.Array, w: MoEWeights, pairs: int) -> bool:
+    """Whether this step's `pairs` (token, slot) pairs run the per-pair path (decided at trace time)."""
+    return (kernel is not None and pairs <= PAIR_PATH_MAX_PAIRS
+            and kernel.takes(x, w.w_gate) and kernel.takes(x, w.w_down))
+
+
+def swiglu_pairs(x: jax.Array, w: MoEWeights, experts: jax.Array, pair_matmul) -> jax.Array:
+    """Each (token, slot) pair through its expert's SwiGLU, in pair order: x [T, D], experts [T*k] (-1: skip)
+    -> [T*k, D]. Pair p is token p // k."""
+    pairs = experts.shape[0]
+    token_rows = jnp.arange(pairs, dtype=jnp.int32) // (pairs // x.shape[0])  # [T*k]
+    gate = pair_matmul(x, w.w_gate, token_rows, experts)  # [T*k, F]
+    up = pair_matmul(x, w.w_up, token_rows, experts)  # [T*k, F]
+    return pair_matmul(jax.nn.silu(gate) * up, w.w_down, jnp.arange(pairs, dtype=jnp.int32), experts)  # [T*k, D]
+
+
+def _combine(slot_rows, mine: jax.Array, weights: jax.Array) -> jax.Array:
+    """sum_k weights[t, k] * row of slot k, over the pairs that are `mine`: float32 [T, D].
+
+    `slot_rows` is indexable by slot, each [T, D]. XLA makes the gathers, masks and products of the sum over the
+    k slots one elementwise fusion that reads each row once (38 us of a 4k-token prefill layer on an H200, about
+    the time to read the rows; scripts/profile_moe_block.py)."""
+    out = None
+    for slot in range(mine.shape[1]):
+        row = slot_rows[slot].astype(jnp.float32) * weights[:, slot, None]  # [T, D]
+        # `where`, not the zero weight alone: rows a kernel may have left unwritten can hold NaN.
+        row = jnp.where(mine[:, slot, None], row, 0.0)
+        out = row if out is None else out + row
+    return out
 
 
 def moe_block(
@@ -140,11 +200,13 @@ def moe_block(
     norm_topk_prob: bool,
     valid: jax.Array | None = None,
     expert_matmul: GroupedMatmul = jax.lax.ragged_dot,
+    pair_kernel: PairKernel | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """x [T, D] -> (MoE output [T, D] in x's dtype, per-expert token counts [E] int32)."""
     routing = route(x, w.router, top_k, norm_topk_prob)
-    out = moe_partial(x, w, routing, valid=valid, expert_matmul=expert_matmul)  # [T, D] summed in float32
-    return out.astype(x.dtype), expert_token_counts(routing.experts, w.router.shape[1], valid)
+    out, counts = moe_partial(x, w, routing, valid=valid, expert_matmul=expert_matmul,
+                              pair_kernel=pair_kernel)  # [T, D] f32, [E]
+    return out.astype(x.dtype), counts
 
 
 # (x [T, D], weights, *, top_k, norm_topk_prob, valid [T] bool) -> (out [T, D], counts [E]); `moe_block` is one.

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.models.moe import MoEWeights, expert_token_counts, moe_block, route
+from jaxinfer.models.moe import PAIR_PATH_MAX_PAIRS, MoEWeights, PairKernel, expert_token_counts, moe_block, route
 from moe_reference import reference_moe, reference_routing
 
 T, D, F, E = 13, 16, 8, 8
@@ -117,3 +117,63 @@ def test_bfloat16_activations_route_in_float32() -> None:
     ref = reference_moe(np.asarray(jnp.asarray(x, jnp.bfloat16), np.float32), jax.tree.map(
         lambda a: np.asarray(a, np.float32), wb), 2, True)
     assert np.linalg.norm(np.asarray(out, np.float32) - ref) / np.linalg.norm(ref) < 2e-2
+
+
+def _pair_kernel(takes=lambda lhs, rhs: True, calls=None):
+    """The reference per-pair matmul as a PairKernel (records its calls' pair counts)."""
+    from pallas_kernels.grouped_matmul import gather_matmul
+
+    def matmul(lhs, rhs, rows, experts):
+        if calls is not None:
+            calls.append(rows.shape[0])
+        return gather_matmul(lhs, rhs, rows, experts, impl="reference")
+    return PairKernel(matmul, takes)
+
+
+@pytest.mark.parametrize("top_k, renorm", [(2, True), (3, False)])
+def test_pair_path_equals_the_grouped_path(top_k: int, renorm: bool) -> None:
+    """Decode-sized steps take the per-pair path: same output and counts as the grouped one, padding tokens
+    sent nowhere, and no sort (the pair kernel sees every pair in (token, slot) order)."""
+    x, w = random_moe(7)
+    valid = jnp.arange(T) < 10
+    calls = []
+    ours, counts = moe_block(jnp.asarray(x), w, top_k=top_k, norm_topk_prob=renorm, valid=valid,
+                             pair_kernel=_pair_kernel(calls=calls))
+    ref, ref_counts = moe_block(jnp.asarray(x), w, top_k=top_k, norm_topk_prob=renorm, valid=valid)
+    assert calls == [T * top_k] * 3  # gate, up, down
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(ours)[10:], 0.0)
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(ref_counts))
+
+
+def test_pair_path_only_for_small_steps_and_operands_it_takes() -> None:
+    """Over PAIR_PATH_MAX_PAIRS pairs, or operands the kernel does not take, the grouped path runs."""
+    x, w = random_moe(8)
+    big = jnp.tile(jnp.asarray(x), (PAIR_PATH_MAX_PAIRS // T + 1, 1))  # T * k > the limit at k = 2
+    calls = []
+    moe_block(big, w, top_k=2, norm_topk_prob=True, pair_kernel=_pair_kernel(calls=calls))
+    moe_block(jnp.asarray(x), w, top_k=2, norm_topk_prob=True,
+              pair_kernel=_pair_kernel(takes=lambda lhs, rhs: False, calls=calls))
+    assert calls == []
+
+
+def test_pair_path_with_the_gpu_kernel_in_interpret_mode() -> None:
+    """The engine's GPU pair kernel (Mosaic GPU interpreter on CPU) at a bf16 decode step: 16 token rows of
+    which 3 are real, top-4 of 8 experts, D and F on the kernel's 64 grid."""
+    from pallas_kernels.grouped_matmul import gather_matmul
+    from pallas_kernels.grouped_matmul import gpu as gmm_gpu
+
+    r = np.random.default_rng(9)
+    d, f, e, t = 128, 64, 8, 16
+    n = lambda *s: jnp.asarray(r.standard_normal(s), jnp.float32)  # noqa: E731
+    w = MoEWeights(router=n(d, e) * 3 / np.sqrt(d), w_gate=n(e, d, f) / np.sqrt(d), w_up=n(e, d, f) / np.sqrt(d),
+                   w_down=n(e, f, d) / np.sqrt(f))
+    w = jax.tree.map(lambda a: a.astype(jnp.bfloat16), w)
+    x = n(t, d).astype(jnp.bfloat16)
+    valid = jnp.arange(t) < 3
+    kernel = PairKernel(lambda *a: gather_matmul(*a, impl="pallas_gpu", interpret=True), gmm_gpu.supported)
+    ours, _ = moe_block(x, w, top_k=4, norm_topk_prob=True, valid=valid, pair_kernel=kernel)
+    ref, _ = moe_block(x, w, top_k=4, norm_topk_prob=True, valid=valid)
+    ours, ref = np.asarray(ours, np.float32), np.asarray(ref, np.float32)
+    assert np.isfinite(ours).all() and not ours[3:].any()
+    assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1e-2
