@@ -33,7 +33,7 @@ from jaxinfer.linear import Linear
 from jaxinfer.models import family_for_config, with_linear
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.params import init_params, nbytes
-from jaxinfer.platform import FIELDS as PLATFORM_FIELDS, announce, default_quantization, fill_defaults
+from jaxinfer.platform import FIELDS as PLATFORM_FIELDS, announce, default_quantization, fill_defaults, fit_to_model
 from jaxinfer.quantization import QuantizationError, build_plan, check_platform, quantized_specs
 from jaxinfer.presets import BUNDLED, bundled_checkpoint, is_alias, load_preset
 from jaxinfer.sharding import make_mesh, mesh_rules
@@ -180,6 +180,10 @@ class LLM:
         check_model_limits(args, self.model_config.max_position_embeddings)
         _check_quantization(args, checkpoint)
         self.family = family_for_config(self.model_config)
+        if (fitted := fit_to_model(chosen, self.family.moe)) != chosen:
+            chosen = fitted
+            args = self.args = dataclasses.replace(args, **chosen)
+            self.single_step_max_rows = args.single_step_max_rows
         self.draft = self._draft_model(args, MeshConfig(data=args.data_parallel_size, tensor=args.tensor_parallel_size,
                                                         expert=args.expert_parallel_size,
                                                         seq=args.sequence_parallel_size))

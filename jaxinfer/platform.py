@@ -44,6 +44,12 @@ ACCELERATOR = PlatformDefaults(max_num_seqs=256, max_num_batched_tokens=4096, de
                                memory_fraction=0.85, single_step_max_rows=8)
 FIELDS = tuple(f.name for f in dataclasses.fields(PlatformDefaults))
 
+# Mixture-of-experts models keep multi-step calls at every batch size. Each of Qwen3-30B-A3B's 48 layers runs
+# ~27 small kernels for routing, dispatch, the grouped matmuls and the combine (scripts/profile_moe_block.py),
+# so a single step is ~2,000 launches: launched one by one from the host, the device was busy 6.3 ms of the
+# 19.6 ms a single step took on an H200 at batch 1, while the multi-step loop ran 7.9 ms per iteration.
+MOE_SINGLE_STEP_MAX_ROWS = 0
+
 CPU_FLOAT_WEIGHTS_FRACTION = 1 / 8
 
 _announced: set[tuple[str, tuple[tuple[str, object], ...]]] = set()
@@ -57,6 +63,14 @@ def fill_defaults(values: dict[str, object], backend: str | None = None) -> dict
     """The platform's default for every None among FIELDS in `values` (only those)."""
     defaults = platform_defaults(backend)
     return {name: getattr(defaults, name) for name in FIELDS if values.get(name) is None}
+
+
+def fit_to_model(chosen: dict[str, object], moe: bool) -> dict[str, object]:
+    """The platform's choices in `chosen` (fill_defaults' result) adjusted to the model: a mixture-of-experts
+    model gets MOE_SINGLE_STEP_MAX_ROWS. Values the user passed are not in `chosen` and stay as given."""
+    if moe and "single_step_max_rows" in chosen:
+        return {**chosen, "single_step_max_rows": MOE_SINGLE_STEP_MAX_ROWS}
+    return chosen
 
 
 def default_quantization(checkpoint: object, float_weight_bytes: int, backend: str | None = None) -> str | None:

@@ -72,3 +72,16 @@ def test_sampling_params_from_yaml_mapping() -> None:
 def test_engine_attention_impl_validated() -> None:
     with pytest.raises(ConfigError, match="attention_impl"):
         EngineConfig(attention_impl="flash")
+
+
+def test_moe_models_keep_multi_step_decode_on_accelerators() -> None:
+    """A mixture-of-experts model decodes in multi-step calls at every batch size on a GPU/TPU (its single steps
+    are launch-bound); a dense model keeps the platform's single steps, and a value the user passed stays."""
+    from jaxinfer.platform import ACCELERATOR, MOE_SINGLE_STEP_MAX_ROWS, fill_defaults, fit_to_model
+
+    chosen = fill_defaults({"single_step_max_rows": None}, backend="gpu")
+    assert chosen["single_step_max_rows"] == ACCELERATOR.single_step_max_rows > 0
+    assert fit_to_model(chosen, moe=False) == chosen
+    assert fit_to_model(chosen, moe=True)["single_step_max_rows"] == MOE_SINGLE_STEP_MAX_ROWS == 0
+    given = fill_defaults({"single_step_max_rows": 8}, backend="gpu")  # passed explicitly: not among the chosen
+    assert "single_step_max_rows" not in fit_to_model(given, moe=True)
