@@ -10,6 +10,11 @@
 #   attn_groups  the attention kernel at every GQA group size 1..16 x head dims 64/80/96/128/256
 #   heads        attention kernel timing at every GQA group / head dim beside today's shapes
 #   gmm          grouped matmul vs ragged_dot at Qwen3-30B-A3B expert shapes
+#   gmm_tests    the gpu-marked grouped matmul tests alone
+#   pair_tests   the gpu-marked per-pair (gather_matmul) tests alone
+#   gmm_quick    gmm with the tuned tilings only, bf16 and int8 weights (a first look that fits beside the tests)
+#   gmm_prefill  gmm at the 4k-token prefill shape, bf16, with every tiling variant (rows vs rows_ws)
+#   moe_block    one Qwen3-30B-A3B MoE layer at the engine's decode and prefill shapes: time, kernels, glue
 #   describe     llm.describe() of Llama-3-8B shape on one GPU (per-device weight/KV bytes, collectives)
 #   bench_tp1    the run of record's command (Llama-3-8B, bf16): TP=1 figures to hold within 3% of latest.json
 #   moe          Qwen3-30B-A3B shape on one GPU: decode MBU, 1000/1000, prefill MFU
@@ -58,6 +63,18 @@ for section in "$@"; do
       run heads 400 python3 scripts/bench_kernels.py --sections ceilings,decode,heads --out "$OUT/bench_heads.json" ;;
     gmm)
       run gmm 500 python3 scripts/bench_grouped_matmul.py --out "$OUT/gmm.json" ;;
+    gmm_tests)
+      run gmm_tests 300 python3 -m pytest -q -m gpu --durations=5 tests/pallas_kernels/test_grouped_matmul.py ;;
+    pair_tests)
+      run pair_tests 200 python3 -m pytest -q -m gpu -k gather tests/pallas_kernels/test_grouped_matmul.py ;;
+    gmm_quick)
+      run gmm_quick 280 python3 scripts/bench_grouped_matmul.py --no-variants --weights bf16,int8 \
+        --out "$OUT/gmm_quick.json" ;;
+    gmm_prefill)
+      run gmm_prefill 200 python3 scripts/bench_grouped_matmul.py --tokens 4096 --weights bf16 \
+        --out "$OUT/gmm_prefill.json" ;;
+    moe_block)
+      run moe_block 200 python3 scripts/profile_moe_block.py --out "$OUT/moe_block.json" ;;
     describe)
       run describe 300 python3 -c 'from jaxinfer import LLM; from jaxinfer.describe import format_description as f
 llm = LLM("llama-3-8b", random_weights=True, dtype="bfloat16", max_num_seqs=64, max_model_len=2048, decode_steps_per_call=8, use_tqdm=False)
