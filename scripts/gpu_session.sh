@@ -12,6 +12,7 @@
 #   gmm          grouped matmul vs ragged_dot at Qwen3-30B-A3B expert shapes
 #   gmm_tests    the gpu-marked grouped matmul tests alone
 #   pair_tests   the gpu-marked per-pair (gather_matmul) tests alone
+#   moe_parity   the gpu-marked MoE engine test: expert kernels against the reference path
 #   gmm_quick    gmm with the tuned tilings only, bf16 and int8 weights (a first look that fits beside the tests)
 #   gmm_prefill  gmm at the 4k-token prefill shape, bf16, with every tiling variant (rows vs rows_ws)
 #   moe_block    one Qwen3-30B-A3B MoE layer at the engine's decode and prefill shapes: time, kernels, glue
@@ -67,6 +68,8 @@ for section in "$@"; do
       run gmm_tests 300 python3 -m pytest -q -m gpu --durations=5 tests/pallas_kernels/test_grouped_matmul.py ;;
     pair_tests)
       run pair_tests 200 python3 -m pytest -q -m gpu -k gather tests/pallas_kernels/test_grouped_matmul.py ;;
+    moe_parity)
+      run moe_parity 300 python3 -m pytest -q -m gpu tests/test_parity_moe.py ;;
     gmm_quick)
       run gmm_quick 280 python3 scripts/bench_grouped_matmul.py --no-variants --weights bf16,int8 \
         --out "$OUT/gmm_quick.json" ;;
