@@ -44,10 +44,11 @@ ACCELERATOR = PlatformDefaults(max_num_seqs=256, max_num_batched_tokens=4096, de
                                memory_fraction=0.85, single_step_max_rows=8)
 FIELDS = tuple(f.name for f in dataclasses.fields(PlatformDefaults))
 
-# Mixture-of-experts models keep multi-step calls at every batch size. Each of Qwen3-30B-A3B's 48 layers runs
-# ~27 small kernels for routing, dispatch, the grouped matmuls and the combine (scripts/profile_moe_block.py),
-# so a single step is ~2,000 launches: launched one by one from the host, the device was busy 6.3 ms of the
-# 19.6 ms a single step took on an H200 at batch 1, while the multi-step loop ran 7.9 ms per iteration.
+# Mixture-of-experts models keep multi-step calls at every batch size. Each of Qwen3-30B-A3B's 48 layers ran
+# ~27 small kernels for routing, dispatch, the grouped matmuls and the combine (scripts/profile_moe_block.py;
+# 13 since decode steps take the per-pair path), so a single step was ~2,000 launches: launched one by one from
+# the host, the device was busy 6.3 ms of the 19.6 ms a single step took on an H200 at batch 1, while the
+# multi-step loop ran 7.9 ms per iteration. With the per-pair path: 12.4 against 7.45 ms (device only).
 MOE_SINGLE_STEP_MAX_ROWS = 0
 
 CPU_FLOAT_WEIGHTS_FRACTION = 1 / 8

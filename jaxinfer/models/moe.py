@@ -58,6 +58,7 @@ class PairKernel:
     # (lhs, rhs) -> whether the kernel takes such operands (dtype, tile multiples); if not, the grouped path runs.
     takes: Callable[[jax.Array, Any], bool]
 
+
 # Steps of at most this many (token, slot) pairs take the per-pair path when a PairKernel takes them: a decode
 # bucket of 16 tokens at top-8. With a few live tokens the sort, work-item table and un-permute of the grouped
 # path cost more than the experts (scripts/profile_moe_block.py).
