@@ -103,19 +103,6 @@ def relative_error(actual, expected) -> float:
     return float(np.linalg.norm(actual - expected) / max(np.linalg.norm(expected), 1e-30))
 
 
-def _gpu_available() -> bool:
-    return jax.default_backend() == "gpu"
-
-
-def pytest_collection_modifyitems(config, items):
-    skip = pytest.mark.skip(reason="needs a GPU (jax.default_backend() != 'gpu')")
-    if _gpu_available():
-        return
-    for item in items:
-        if "gpu" in item.keywords and item.fspath.dirname.endswith("pallas_kernels"):
-            item.add_marker(skip)
-
-
 @pytest.fixture
 def rng(request):
     """A fresh generator per test, seeded from the test id so failures reproduce."""
