@@ -22,12 +22,9 @@ from __future__ import annotations
 
 import argparse
 import functools
-import glob
-import gzip
 import json
 import statistics
 import sys
-import tempfile
 import time
 
 import jax
@@ -35,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from bench_kernels import time_fn
+from jaxinfer.bench.measure import device_events
 from jaxinfer.models import moe
 from pallas_kernels.grouped_matmul import gather_matmul, grouped_matmul
 from pallas_kernels.grouped_matmul import gpu as gmm_gpu
@@ -72,24 +70,17 @@ def make_program(layers, top_k, real, expert_matmul, pair_kernel):
 
 def trace_kernels(fn, calls):
     """(kernel count, {name: device us}) per call of `fn`, from a profiler trace of `calls` calls."""
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp, create_perfetto_trace=True):
-            out = None
-            for _ in range(calls):
-                out = fn()
-            jax.block_until_ready(out)
-        (path,) = glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)
-        with gzip.open(path) as f:
-            trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
-    device = {pid for pid, name in names.items() if "GPU" in name or "TPU" in name}
-    per_name, count = {}, 0
-    for e in events:
-        if e.get("ph") == "X" and (e["pid"] in device or not device):
-            per_name[e["name"]] = per_name.get(e["name"], 0.0) + float(e.get("dur", 0.0)) / calls
-            count += 1
-    return count / calls, per_name
+    def run():
+        out = None
+        for _ in range(calls):
+            out = fn()
+        return out
+
+    _, events = device_events(run)
+    per_name = {}
+    for name, ms in events:
+        per_name[name] = per_name.get(name, 0.0) + ms * 1e3 / calls
+    return len(events) / calls, per_name
 
 
 def copy_bandwidth():

@@ -257,10 +257,20 @@ KERNEL_CLASSES = (  # substrings of device event names, checked in order
 
 
 def device_spans(fn: Callable[[], Any]) -> tuple[str, dict[str, float]]:
-    """Run `fn` once under the JAX profiler; (source, total ms per event name) from its Perfetto trace.
+    """Run `fn` once under the JAX profiler; (source, total ms per event name) from its Perfetto trace
+    (`device_events`)."""
+    source, events = device_events(fn)
+    per_name: dict[str, float] = {}
+    for name, ms in events:
+        per_name[name] = per_name.get(name, 0.0) + ms
+    return source, per_name
+
+
+def device_events(fn: Callable[[], Any]) -> tuple[str, list[tuple[str, float]]]:
+    """Run `fn` once under the JAX profiler; (source, [(event name, ms)] for every span) from its Perfetto trace.
 
     On a GPU only the device's own events count (the host threads are left out): source "device". On CPU
-    there are no device events and the host's are summed instead: source "host".
+    there are no device events and the host's are taken instead: source "host".
     """
     import glob
     import gzip
@@ -276,11 +286,9 @@ def device_spans(fn: Callable[[], Any]) -> tuple[str, dict[str, float]]:
     events = trace["traceEvents"] if isinstance(trace, dict) else trace
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     device = {pid for pid, name in names.items() if "GPU" in name or "TPU" in name}
-    per_name: dict[str, float] = {}
-    for e in events:
-        if e.get("ph") == "X" and (e["pid"] in device or not device):
-            per_name[e["name"]] = per_name.get(e["name"], 0.0) + float(e.get("dur", 0.0)) / 1e3  # us -> ms
-    return ("device" if device else "host"), per_name
+    spans = [(e["name"], float(e.get("dur", 0.0)) / 1e3) for e in events  # us -> ms
+             if e.get("ph") == "X" and (e["pid"] in device or not device)]
+    return ("device" if device else "host"), spans
 
 
 def kernel_profile(fn: Callable[[], Any], calls: int, top: int = 12) -> dict[str, Any]:

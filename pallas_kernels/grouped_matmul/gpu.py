@@ -557,21 +557,26 @@ def check_tiling(tiling: tuning.GpuTiling, k: int, n: int, *, quantized: bool = 
         raise ValueError(f"bad GPU tiling {tiling}: " + "; ".join(problems))
 
 
+def _operands(lhs, rhs, preferred_element_type):
+    """A kernel call's checked operands: lhs padded to the 8-row grid [Mp, K] (the TMA tiling needs M % 8 == 0),
+    the weights, their scales (None for 16-bit experts) and the output dtype."""
+    _check_supported(lhs, rhs)
+    w, scales = (rhs.values, rhs.scales) if isinstance(rhs, QuantizedExperts) else (rhs, None)
+    m = lhs.shape[0]
+    x = jnp.pad(lhs, ((0, -(-m // _ROW_ALIGN) * _ROW_ALIGN - m), (0, 0)))  # [Mp, K]
+    return x, w, scales, output_dtype(lhs, preferred_element_type)
+
+
 @functools.partial(jax.jit, static_argnames=("preferred_element_type", "tiling", "interpret"))
 def grouped_matmul(lhs: jax.Array, rhs, group_sizes: jax.Array, *, preferred_element_type=None,
                    tiling: tuning.GpuTiling | None = None, interpret: bool = False) -> jax.Array:
     """Mosaic GPU grouped matmul with `jax.lax.ragged_dot` semantics; [M, N]."""
     check_args(lhs, rhs, group_sizes)
-    _check_supported(lhs, rhs)
+    x, w, scales, out_dtype = _operands(lhs, rhs, preferred_element_type)
     m, k = lhs.shape
     num_groups, _, n = rhs.shape
-    out_dtype = output_dtype(lhs, preferred_element_type)
-    quantized = isinstance(rhs, QuantizedExperts)
-    w, scales = (rhs.values, rhs.scales) if quantized else (rhs, None)
     tiling = tiling or choose_tiling(m, k, n, num_groups, lhs.dtype, w.dtype, out_dtype)
-    check_tiling(tiling, k, n, quantized=quantized)
-    mp = -(-m // _ROW_ALIGN) * _ROW_ALIGN  # the row grid of the TMA tiling needs M % 8 == 0
-    x = jnp.pad(lhs, ((0, mp - m), (0, 0)))  # [Mp, K]
+    check_tiling(tiling, k, n, quantized=scales is not None)
     gs = group_sizes.astype(jnp.int32)
     if tiling.path == "cols":
         return _run_cols(x, w, scales, gs, m, out_dtype, tiling, interpret).astype(out_dtype)
@@ -605,16 +610,11 @@ def gather_matmul(lhs: jax.Array, rhs, rows: jax.Array, experts: jax.Array, *, p
     steps of a few tokens (each pair of a top-k token mostly has an expert of its own) this replaces the
     sort, the work-item table and the un-permute of the grouped form with one elementwise table; pairs that
     share an expert read its tiles once each (from L2 when they run together)."""
-    _check_supported(lhs, rhs)
-    r, k = lhs.shape
+    x, w, scales, out_dtype = _operands(lhs, rhs, preferred_element_type)
+    k = lhs.shape[1]
     g, _, n = rhs.shape
-    out_dtype = output_dtype(lhs, preferred_element_type)
-    quantized = isinstance(rhs, QuantizedExperts)
-    w, scales = (rhs.values, rhs.scales) if quantized else (rhs, None)
     tiling = pair_tiling(k, n, w.dtype, tiling)
-    check_tiling(tiling, k, n, quantized=quantized)
-    rp = -(-r // _ROW_ALIGN) * _ROW_ALIGN
-    x = jnp.pad(lhs, ((0, rp - r), (0, 0)))  # [Rp, K]
+    check_tiling(tiling, k, n, quantized=scales is not None)
     rows, experts = rows.astype(jnp.int32), experts.astype(jnp.int32)
     live = (experts >= 0) & (experts < g)  # [P]
     meta = jnp.stack([jnp.where(live, experts, -1), rows // _ROW_ALIGN * _ROW_ALIGN,
