@@ -466,9 +466,10 @@ class Engine:
 
     @property
     def num_compiles(self) -> int:
-        """Programs compiled so far: the model's, and a draft model's."""
+        """Programs compiled so far: the model's and a draft model's, with their transfers' unpack programs."""
         draft = self.spec.draft if self.spec is not None else None
-        return self.runner.num_compiles + (draft.runner.num_compiles if draft is not None else 0)
+        runners = [self.runner] + ([draft.runner] if draft is not None else [])
+        return sum(r.num_compiles + r.transfer.num_compiles for r in runners)
 
     def generate(self, prompts: Any, params: SamplingParams | Sequence[SamplingParams] | None = None, *,
                  use_tqdm: bool | None = None, priority: Sequence[int] | None = None) -> list[RequestOutput]:

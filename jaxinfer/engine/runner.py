@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxinfer.attention import make_attention_fn
 from jaxinfer.expert_parallel import make_moe_fn
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine.transfer import Transfer
 from jaxinfer.engine.verify import VerifyInputs, verify, verify_logits
 from jaxinfer.engine.sampling import (
     MAX_LOGPROBS,
@@ -173,6 +174,7 @@ class ModelRunner:
         self.attention_impl = resolve_impl(attention_impl)
         self.num_compiles = 0
         self._trace_lock = threading.Lock()
+        self.transfer = Transfer(replicated(mesh))  # each step's small host arrays in a few copies
         # Executables compiled ahead of time by `precompile`, keyed by entry point and input shapes.
         self._executables: dict[tuple[Any, ...], Any] = {}
         self.precompile_times: dict[str, float] = {}  # the last `precompile`: trace and compile seconds
@@ -500,12 +502,9 @@ class ModelRunner:
         return logits
 
     def place(self, batch: Any) -> Any:
-        """Host arrays -> device, replicated over the mesh (metadata is small); device arrays stay as they are."""
-        leaves, tree = jax.tree.flatten(batch)
-        host = [i for i, a in enumerate(leaves) if not isinstance(a, jax.Array)]
-        for i, a in zip(host, jax.device_put([leaves[i] for i in host], replicated(self.mesh))):  # one transfer
-            leaves[i] = a
-        return jax.tree.unflatten(tree, leaves)
+        """Host arrays -> device, replicated over the mesh (metadata is small); device arrays stay as they are.
+        A tuple's elements are packed one by one (jaxinfer.engine.transfer)."""
+        return self.transfer.place(batch)
 
 
 def copy_pages(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
