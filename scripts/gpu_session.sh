@@ -28,6 +28,10 @@
 #   spec_real    needs /tmp/smollm2.gguf (joined from two carried halves, DESIGN.md) and the gguf wheel
 #   spec_test    the gpu-marked spec test (same needs)
 #   pipeline_test  the gpu-marked pipelined-step test
+#   transfer     packed host-to-device transfers: their tests (gpu-marked ones too), the pipelined-step GPU test,
+#                and scripts/bench_transfer.py (placing a step's arrays, packed vs one copy per array)
+#   timeline_ab  scripts/pipeline_timeline.py --timeline-only (64 constrained rows, Llama-3-8B shape) on the
+#                tree in .ab_old (a git worktree, carried) and then on this one; needs serve_wheels/ carried
 #   structured   structured output's cost through the server and in the engine alone (bench_serve_gpu.py
 #                --structured-only); needs serve_wheels/ from scripts/serve_wheels.sh carried
 #   serve        the whole of bench_serve_gpu.py: structured, then the server against offline (same needs)
@@ -108,6 +112,19 @@ print(f(llm.describe()))' ;;
     spec_k8)
       run spec_k8 300 python3 scripts/bench_spec.py --parts shapes --ks 8 --update --out docs/benchmarks/spec.json
       cp docs/benchmarks/spec.json "$OUT/spec.json" ;;
+    transfer)
+      run transfer_tests 300 python3 -m pytest -q tests/engine/test_transfer.py tests/engine/test_batcher.py
+      run pipeline_test 400 python3 -m pytest -q -m gpu tests/engine/test_pipeline.py
+      run transfer 300 python3 scripts/bench_transfer.py --out "$OUT/transfer.json" ;;
+    timeline_ab)
+      python3 -m pip install -q --no-index --find-links serve_wheels --target /tmp/serve_site "llguidance>=1.9" \
+        >"$OUT/serve_pip.log" 2>&1
+      for tree in .ab_old .; do
+        name=timeline_$([ "$tree" = . ] && echo new || echo old)
+        run "$name" 280 env PYTHONPATH=$tree:/tmp/serve_site python3 scripts/pipeline_timeline.py \
+          --tokenizer serve_wheels/tokenizer --timeline-only
+        sed -n '/^{/,$p' "$OUT/$name.log" >"$OUT/$name.json"
+      done ;;
     pipeline_test)
       run pipeline_test 400 python3 -m pytest -q -m gpu tests/engine/test_pipeline.py ;;
     structured|serve|structured_si8)
