@@ -38,7 +38,8 @@ def flags(engine: dict[str, Any]) -> list[str]:
 
 def start_server(args: argparse.Namespace, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", args.model, "--random-weights", "--port",
-           str(args.port), "--served-model-name", "bench", "--stream-interval", str(args.stream_interval), *flags(ENGINE)]
+           str(args.port), "--served-model-name", "bench", "--stream-interval", str(args.stream_interval), *flags(ENGINE),
+           "--engine-process" if args.engine_process else "--no-engine-process"]
     if args.tokenizer:
         cmd += ["--tokenizer", args.tokenizer]
     print("starting:", " ".join(cmd), flush=True)
@@ -141,6 +142,8 @@ def main() -> None:
     p.add_argument("--start-timeout", type=float, default=900)
     p.add_argument("--out", default="bench_results/serve.json")
     p.add_argument("--stream-interval", type=int, default=1, help="the server's --stream-interval")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="the server's --engine-process (default: on, as `jaxinfer serve`)")
     p.add_argument("--structured-only", action="store_true",
                    help="only the structured run and its plain twin (no server-vs-offline comparison)")
     p.add_argument("--server-only", action="store_true",
@@ -150,7 +153,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"command": "python3 scripts/bench_serve_gpu.py " + " ".join(sys.argv[1:]),
                               "model": args.model, "engine": ENGINE, "workload": args.workload,
-                              "num_prompts": args.num_prompts, "stream_interval": args.stream_interval}
+                              "num_prompts": args.num_prompts, "stream_interval": args.stream_interval,
+                              "engine_process": args.engine_process}
 
     def save() -> None:
         out.write_text(json.dumps(result, indent=1) + "\n")

@@ -36,6 +36,9 @@
 #                --structured-only); needs serve_wheels/ from scripts/serve_wheels.sh carried
 #   serve        the whole of bench_serve_gpu.py: structured, then the server against offline (same needs)
 #   structured_si8  the two server runs of `structured` again with `--stream-interval 8` (same needs)
+#   structured_thread  the two server runs of `structured` with the engine on a thread of the server's process
+#                (`--no-engine-process`, the layout before the engine process): the same-lease baseline
+#   structured_proc  the same two server runs with the engine in its own process (`jaxinfer serve`'s default)
 #   ab_grid      issue 12's TP=1 bar: the run of record's fixed grids and decode at batch 1 through the public
 #                API, the 11-22 tree (.ab_old, a git worktree of 014cf88, carried) then this one
 #                (scripts/ab_prefill.py --workload grid); JSON lines in $OUT/ab_grid.jsonl
@@ -127,11 +130,13 @@ print(f(llm.describe()))' ;;
       done ;;
     pipeline_test)
       run pipeline_test 400 python3 -m pytest -q -m gpu tests/engine/test_pipeline.py ;;
-    structured|serve|structured_si8)
+    structured|serve|structured_si8|structured_thread|structured_proc)
       python3 -m pip install -q --no-index --find-links serve_wheels --target /tmp/serve_site fastapi uvicorn \
         sse-starlette prometheus-client "llguidance>=1.9" aiohttp >"$OUT/serve_pip.log" 2>&1
       only=(); [ "$section" = structured ] && only=(--structured-only)
       [ "$section" = structured_si8 ] && only=(--structured-only --server-only --stream-interval 8)
+      [ "$section" = structured_thread ] && only=(--structured-only --server-only --no-engine-process)
+      [ "$section" = structured_proc ] && only=(--structured-only --server-only --engine-process)
       run "$section" 590 env PYTHONPATH=$PYTHONPATH:/tmp/serve_site python3 scripts/bench_serve_gpu.py \
         "${only[@]}" --tokenizer serve_wheels/tokenizer --out "$OUT/serve_$section.json" ;;
     ab_grid)
@@ -143,6 +148,6 @@ print(f(llm.describe()))' ;;
   esac
 done
 
-echo "=== verdicts"
-for section in "$@"; do echo "$section: ${VERDICT[$section]:-not run}"; done
-for section in "$@"; do echo "--- $section (tail)"; tail -12 "$OUT/$section.log" 2>/dev/null; done
+echo "=== verdicts"  # every run's (a section may make several), in name order
+for name in $(printf '%s\n' "${!VERDICT[@]}" | sort); do echo "$name: ${VERDICT[$name]}"; done
+for name in $(printf '%s\n' "${!VERDICT[@]}" | sort); do echo "--- $name (tail)"; tail -12 "$OUT/$name.log"; done

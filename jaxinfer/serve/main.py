@@ -5,6 +5,10 @@ Every engine knob of `LLM(...)` is a flag, generated from the one argument table
 server accepts exactly what the Python API accepts and refuses it with the same message. An optional value
 takes `none` for None (`--compilation-cache-dir none`).
 
+The engine runs in a child process by default (jaxinfer.engine_process: the HTTP event loop and the engine's host
+work then never wait on each other for the interpreter lock); `--no-engine-process` keeps it on a thread of the
+server's process (AsyncLLM), as before.
+
 Shutdown (SIGTERM or Ctrl-C): the server stops accepting connections and answers 503 to new requests on open
 ones; requests in flight get `--shutdown-timeout` seconds to finish, then are aborted (their streams end
 with finish_reason "abort" and [DONE]); then the process exits 0.
@@ -73,6 +77,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=30.0,
                    help="seconds requests in flight get to finish on SIGTERM before they are aborted")
     p.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=True,
+                   help="run the engine in a process of its own, so HTTP work and the engine's host work never share "
+                        "one interpreter lock (default; --no-engine-process keeps it on a thread of this process)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed event of a request, besides its first and last (default 1: every token; "
                         "larger values cost less host time per token under load)")
@@ -111,7 +118,12 @@ def serve(args: argparse.Namespace) -> int:
 
     check_args(args)
     resolve_llm_args(engine_kwargs(args))  # a bad engine flag fails before anything loads
-    llm = AsyncLLM(args.model, stream_interval=args.stream_interval, **engine_kwargs(args))
+    if args.engine_process:
+        from jaxinfer.engine_process import EngineClient
+
+        llm = EngineClient(args.model, stream_interval=args.stream_interval, **engine_kwargs(args))
+    else:
+        llm = AsyncLLM(args.model, stream_interval=args.stream_interval, **engine_kwargs(args))
     config = ServeConfig(served_model_name=args.served_model_name or str(args.model), api_key=args.api_key,
                          max_waiting=args.max_waiting, shutdown_timeout_s=args.shutdown_timeout)
     app = build_app(llm, config)
