@@ -50,6 +50,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--no-ignore-eos", dest="ignore_eos", action="store_false",
                    help="do not send ignore_eos (for servers without vLLM's extra fields)")
+    p.add_argument("--output-lens", default=None,
+                   help="a JSON file with one output length per prompt, in place of the workload's (e.g. another "
+                        "run's per_request_tokens: the same token counts request by request)")
     p.add_argument("--structured", default=None, help=f"a schema name: {', '.join([*SCHEMAS, 'long_list'])}")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--label", default=None, help="a name for this run in the JSON")
@@ -155,6 +158,7 @@ def level_result(results: list[dict[str, Any]], workload: Workload, concurrency:
         "total_token_throughput": (in_tokens + out_tokens) / duration, "output_tokens": out_tokens,
         "ttft": summary(ttfts), "tpot": summary(tpots), "itl": summary(itls),
         "e2e": summary([r["end"] - r["start"] for r in ok]),
+        "per_request_tokens": [r.get("tokens") for r in results],  # in prompt order; None where it failed
     }
 
 
@@ -168,10 +172,21 @@ async def _text_prompts(client: Client, batch: list[list[int]]) -> list[str]:
     return out
 
 
+def with_output_lens(workload: Workload, path: str | Path) -> Workload:
+    """`workload` with the output lengths read from `path` (a JSON list, one per prompt)."""
+    lens = json.loads(Path(path).read_text())
+    if not isinstance(lens, list) or len(lens) != workload.num_prompts or not all(isinstance(n, int) for n in lens):
+        raise ValueError(f"--output-lens {path}: expected a JSON list of {workload.num_prompts} integers "
+                         f"(one per prompt), got {str(lens)[:80]}")
+    return Workload(f"{workload.name}, output lengths from {Path(path).name}", workload.input_lens, tuple(lens))
+
+
 async def run_all(args: argparse.Namespace) -> dict[str, Any]:
     import aiohttp
 
     workload = parse(args.workload, args.num_prompts, args.seed)
+    if args.output_lens:
+        workload = with_output_lens(workload, args.output_lens)
     batch: list[Any] = prompts(workload, args.vocab_limit, args.seed)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     connector = aiohttp.TCPConnector(limit=0)

@@ -32,3 +32,27 @@ def test_bench_serve_closed_and_open_loop(tmp_path, tiny_model_yaml, smollm2_pat
         assert r.returncode == 0, r.stdout + r.stderr
         level = json.loads((tmp_path / "open.json").read_text())["sweep"][0]
         assert level["completed"] == 12 and level["request_rate"] == 20
+        # A run whose requests take another run's lengths, request by request (the structured-output twin).
+        lens = tmp_path / "lens.json"
+        lens.write_text(json.dumps([1, 2, 3, 4, 5, 6, 7, 8, 1, 2, 3, 4]))
+        r = subprocess.run([*base, "--concurrency", "4", "--output-lens", str(lens), "--out",
+                            str(tmp_path / "lens_run.json"), "--plot", "none"], cwd=REPO, capture_output=True,
+                           text=True, timeout=300)
+        assert r.returncode == 0, r.stdout + r.stderr
+        level = json.loads((tmp_path / "lens_run.json").read_text())["sweep"][0]
+        assert level["per_request_tokens"] == json.loads(lens.read_text())
+
+
+def test_output_lens_must_give_one_integer_per_prompt(tmp_path) -> None:
+    import pytest
+
+    from jaxinfer.bench.serve_bench import with_output_lens
+    from jaxinfer.bench.workloads import parse
+
+    path = tmp_path / "lens.json"
+    path.write_text("[3, 4]")
+    assert with_output_lens(parse("16x8", 2, 0), path).output_lens == (3, 4)
+    for bad in ("[3]", "[3, 4.5]", '{"a": 1}'):
+        path.write_text(bad)
+        with pytest.raises(ValueError, match="one per prompt"):
+            with_output_lens(parse("16x8", 2, 0), path)
