@@ -127,6 +127,11 @@ class StreamFront:
                 self._streams.pop(rid, None)
                 self._abort_soon(rid)
 
+    @property
+    def dead(self) -> bool:
+        """The engine failed or its process is gone (not set by a deliberate shutdown)."""
+        return self._dead is not None
+
     def engine_stats(self) -> dict[str, Any]:
         """The latest scheduler gauges published by the engine thread (running, waiting, pages, preemptions,
         prefix-cache hit rate, unfinished requests, steps, pipelined steps, seconds per phase of the engine

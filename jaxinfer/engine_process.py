@@ -17,8 +17,9 @@ over when the engine next waits on the device, as AsyncLLM does), `stats` (the s
 turn of its loop) and `dead` if its loop fails. The engine side is AsyncLLM's own engine-thread loop, run on
 the child's main thread, with its hand-off to the event loop replaced by a write to the pipe.
 
-The child ignores SIGINT (a Ctrl-C reaches the whole process group: the server decides when the engine
-stops) and exits when told to, or when its command pipe closes because the server is gone.
+The child ignores SIGINT and SIGTERM (a Ctrl-C, or a service manager's stop, reaches the whole process group:
+the server drains its requests, then stops the engine) and exits when told to, or when its command pipe closes
+because the server is gone.
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ class _EngineSide(AsyncLLM):
 
 def child_main(fd_in: int, fd_out: int) -> int:
     """The engine process: read the config line, load, say ready, then run the engine loop until stopped."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in (signal.SIGINT, signal.SIGTERM):  # a signal to the whole group: the server drains, then stops us
+        signal.signal(sig, signal.SIG_IGN)
     writer = _Writer(fd_out)
     pipe = os.fdopen(fd_in, "rb")
     config = wire.loads(pipe.readline())
@@ -196,15 +198,22 @@ class EngineClient(StreamFront):
         self._init_front()
         self._send_lock = threading.Lock()
         kwargs.setdefault("use_tqdm", False)
-        self._proc, self._out_fd, self._in_fd = _spawn()
-        self._send({"model": str(model), "kwargs": kwargs, "stream_interval": stream_interval})
-        # The tokenizer is built here too (the server renders chats and counts tokens), while the child loads.
-        checkpoint, _ = resolve_source(resolve_model_name(model))
-        tokenizer_arg = kwargs.get("tokenizer")
-        self.tokenizer = (None if checkpoint is None and tokenizer_arg is None
-                          else load_model_tokenizer(checkpoint, tokenizer_arg))
-        self._lines = os.fdopen(self._in_fd, "rb")
-        ready = self._read_ready()
+        self._proc, self._out_fd, in_fd = _spawn()
+        self._lines = os.fdopen(in_fd, "rb")
+        try:
+            self._send({"model": str(model), "kwargs": kwargs, "stream_interval": stream_interval})
+            # The tokenizer is built here too (the server renders chats and counts tokens), while the child loads.
+            checkpoint, _ = resolve_source(resolve_model_name(model))
+            tokenizer_arg = kwargs.get("tokenizer")
+            self.tokenizer = (None if checkpoint is None and tokenizer_arg is None
+                              else load_model_tokenizer(checkpoint, tokenizer_arg))
+            ready = self._read_ready()
+        except BaseException:
+            self._proc.kill()
+            self._proc.wait()
+            os.close(self._out_fd)
+            self._lines.close()
+            raise
         self.max_model_len: int = ready["max_model_len"]
         self.model_config = _ModelInfo(ready["vocab_size"])
         self._stats = ready["stats"]
@@ -234,21 +243,29 @@ class EngineClient(StreamFront):
 
     def _read(self) -> None:
         """The reader thread: decode each message, resolve replies, hand outputs to the event loop."""
-        for line in self._lines:
-            msg = wire.loads(line)
-            op = msg["op"]
-            if op == "outputs":
-                outputs = [o for m in msg["outputs"] if (o := self._prompts.decode(m)) is not None]
-                if outputs:
-                    self._post(self._deliver, outputs)
-            elif op == "stats":
-                self._stats = msg["stats"]
-            elif op == "reply":
-                self._resolve(msg)
-            elif op == "dead":
-                self._died(wire.decode_error(msg["error"]))
+        try:
+            for line in self._lines:
+                self._handle(wire.loads(line))
+        except Exception as e:  # noqa: BLE001 - a message this side cannot read: nothing after it can be trusted
+            log.exception("unreadable message from the engine process")
+            self._proc.kill()
+            self._died(e)
+            return
         if not self._stop.is_set():
             self._died(EngineDead(f"the engine process exited with {self._proc.wait()}"))
+
+    def _handle(self, msg: dict[str, Any]) -> None:
+        op = msg["op"]
+        if op == "outputs":
+            outputs = [o for m in msg["outputs"] if (o := self._prompts.decode(m)) is not None]
+            if outputs:
+                self._post(self._deliver, outputs)
+        elif op == "stats":
+            self._stats = msg["stats"]
+        elif op == "reply":
+            self._resolve(msg)
+        elif op == "dead":
+            self._died(wire.decode_error(msg["error"]))
 
     def _resolve(self, msg: dict[str, Any]) -> None:
         with self._lock:

@@ -125,15 +125,21 @@ class PromptCache:
     def __init__(self) -> None:
         self._prompts: dict[str, tuple[str | None, list[int], Any]] = {}
 
-    def decode(self, msg: dict[str, Any]) -> RequestOutput:
+    def decode(self, msg: dict[str, Any]) -> RequestOutput | None:
+        """The output `msg` carries; None for a request this side no longer follows (an output still in flight
+        after the request was aborted here). Safe from two threads: each step is one dict operation."""
         rid = msg["request_id"]
         if "prompt" in msg:
             p = msg["prompt"]
             logprobs = None if p["logprobs"] is None else [_decode_logprobs(s) for s in p["logprobs"]]
-            self._prompts[rid] = (p["text"], p["token_ids"], logprobs)
-        text, ids, prompt_logprobs = self._prompts[rid]
-        if msg["finished"]:
-            del self._prompts[rid]
+            prompt = (p["text"], p["token_ids"], logprobs)
+            if not msg["finished"]:
+                self._prompts[rid] = prompt
+        else:
+            prompt = self._prompts.pop(rid, None) if msg["finished"] else self._prompts.get(rid)
+            if prompt is None:
+                return None
+        text, ids, prompt_logprobs = prompt
         metrics = msg["metrics"]
         return RequestOutput(
             request_id=rid, prompt=text, prompt_token_ids=ids,

@@ -2,7 +2,9 @@
 
 With an API key, every /v1 route and /tokenize, /detokenize need `Authorization: Bearer <key>`; the key is
 compared in constant time (`hmac.compare_digest`), so the time of a refusal says nothing about the key.
-/health and /metrics stay open (load balancers and scrapers carry no key).
+/health and /metrics stay open (load balancers and scrapers carry no key). /health answers 503 while the server
+drains and once the engine has stopped (failed, or its process died); requests then get a 503 envelope with code
+"engine_dead".
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 
+from jaxinfer.async_llm import EngineDead
 from jaxinfer.chat import encode_rendered
 from jaxinfer.serve import errors
 from jaxinfer.serve.chat import create_chat, render
@@ -40,6 +43,7 @@ def build_app(async_llm: Any, config: ServeConfig) -> FastAPI:
     app = FastAPI(title="jaxinfer", lifespan=lifespan)
     app.state.serve = state
     app.add_exception_handler(errors.APIError, errors.api_error_handler)
+    app.add_exception_handler(EngineDead, errors.engine_dead_handler)
     app.add_exception_handler(RequestValidationError, errors.validation_error_handler)
 
     app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
@@ -77,7 +81,7 @@ def _routes(app: FastAPI, state: ServerState) -> None:
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=503 if state.draining else 200)
+        return Response(status_code=503 if state.draining or state.llm.dead else 200)
 
     @app.get("/metrics")
     async def metrics() -> Response:

@@ -59,6 +59,11 @@ def shutting_down() -> APIError:
     return APIError(503, "The server is shutting down.", type="server_error", code="shutting_down")
 
 
+def engine_dead(error: BaseException) -> APIError:
+    return APIError(503, f"The engine is not running ({error}); see the server's log.", type="server_error",
+                    code="engine_dead")
+
+
 def from_invalid_input(error: InvalidInput, rename: dict[str, str] | None = None) -> APIError:
     """A 400 naming the request's own parameter (`rename` maps SamplingParams names to the request's)."""
     field = error.field
@@ -91,6 +96,10 @@ def validation_error(error: RequestValidationError) -> APIError:
 
 async def api_error_handler(_: Request, error: Exception) -> JSONResponse:
     return error.response() if isinstance(error, APIError) else server_error(error).response()
+
+
+async def engine_dead_handler(_: Request, error: Exception) -> JSONResponse:
+    return engine_dead(error).response()
 
 
 async def validation_error_handler(_: Request, error: Exception) -> JSONResponse:

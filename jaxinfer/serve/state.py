@@ -18,6 +18,7 @@ from typing import Any
 
 from fastapi import Request
 
+from jaxinfer.async_llm import EngineDead
 from jaxinfer.errors import InvalidInput
 from jaxinfer.outputs import FinishReason, RequestOutput
 from jaxinfer.serve import errors
@@ -63,6 +64,9 @@ class ServerState:
             try:
                 async for event in events:
                     yield event
+            except EngineDead as e:  # the engine stopped mid-stream: say so, then end the stream as usual
+                yield dumps(errors.engine_dead(e).body())
+                yield "[DONE]"
             finally:
                 self.open_streams -= 1
 

@@ -193,3 +193,28 @@ def _alive(pid: int) -> bool:
             return f.read().split()[2] != "Z"
     except FileNotFoundError:
         return False
+
+
+def test_server_whose_engine_dies_says_so(tmp_path, tiny_model_yaml, smollm2_path) -> None:
+    """`jaxinfer serve` (engine process by default) with its engine SIGKILLed mid-stream: the open stream ends
+    with an engine_dead error event and [DONE], /health turns 503, a new request gets a 503 envelope."""
+    import httpx
+
+    from tests.serve.conftest import running, tiny_args
+
+    with running(tiny_args(tiny_model_yaml, smollm2_path), tmp_path / "server.log") as server:
+        body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True, "stream": True}
+        events = []
+        with httpx.stream("POST", server.url("/v1/completions"), json=body, timeout=60) as r:
+            for line in r.iter_lines():
+                if line.startswith("data:"):
+                    events.append(line[5:].strip())
+                    if len(events) == 2:
+                        children = open(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read().split()
+                        assert len(children) == 1, children
+                        os.kill(int(children[0]), signal.SIGKILL)
+        assert events[-1] == "[DONE]"
+        assert '"engine_dead"' in events[-2], events[-3:]
+        assert httpx.get(server.url("/health"), timeout=10).status_code == 503
+        r = httpx.post(server.url("/v1/completions"), json={**body, "stream": False}, timeout=30)
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_dead"
