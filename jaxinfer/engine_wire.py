@@ -78,7 +78,8 @@ def _encode_logprobs(step: dict[int, Logprob] | None) -> list[list[Any]] | None:
     """{id: Logprob} as [[id, logprob, rank, decoded_token], ...] (None stays None: the first prompt token)."""
     if step is None:
         return None
-    return [[int(i), float(lp), getattr(lp, "rank", None), getattr(lp, "decoded_token", None)] for i, lp in step.items()]
+    return [[int(i), float(lp), getattr(lp, "rank", None), getattr(lp, "decoded_token", None)]
+            for i, lp in step.items()]
 
 
 def _decode_logprobs(step: list[list[Any]] | None) -> dict[int, Logprob] | None:

@@ -40,8 +40,8 @@ def flags(engine: dict[str, Any]) -> list[str]:
 
 def start_server(args: argparse.Namespace, log: Path) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "jaxinfer.cli", "serve", "--model", args.model, "--random-weights", "--port",
-           str(args.port), "--served-model-name", "bench", "--stream-interval", str(args.stream_interval), *flags(ENGINE),
-           "--engine-process" if args.engine_process else "--no-engine-process"]
+           str(args.port), "--served-model-name", "bench", "--stream-interval", str(args.stream_interval),
+           *flags(ENGINE), "--engine-process" if args.engine_process else "--no-engine-process"]
     if args.tokenizer:
         cmd += ["--tokenizer", args.tokenizer]
     print("starting:", " ".join(cmd), flush=True)

@@ -103,3 +103,14 @@ def running(args: list[str], log: Path) -> Iterator[Server]:
 def tiny_args(tiny_model_yaml: Path, smollm2_path: Path, *extra: str) -> list[str]:
     return ["--model", str(tiny_model_yaml), "--random-weights", "--tokenizer", str(smollm2_path),
             "--served-model-name", "tiny", "--max-model-len", "128", "--num-pages", "64", *ENGINE_FLAGS, *extra]
+
+
+def assembled(outs: list, index: int, delta: bool) -> tuple[list[int], str, list]:
+    """Sequence `index` of a request's streamed outputs as (ids, text, logprobs): DELTA chunks joined in order,
+    or else what the last output holds."""
+    if delta:
+        chunks = [c for o in outs for c in o.outputs if c.index == index]
+        return ([t for c in chunks for t in c.delta_token_ids], "".join(c.delta_text for c in chunks),
+                [lp for c in chunks for lp in c.logprobs or []])
+    final = next(c for c in outs[-1].outputs if c.index == index)
+    return final.token_ids, final.text, final.logprobs

@@ -11,6 +11,7 @@ import pytest
 
 from jaxinfer import AsyncLLM, InvalidInput, SamplingParams
 from tests.conftest import TEXT_LLM_KW
+from tests.serve.conftest import assembled
 
 
 @pytest.fixture(scope="module")
@@ -133,14 +134,7 @@ def test_a_consumer_that_falls_behind_gets_what_queued_up_as_one_output(tiny_llm
     outs = _run(main())
     assert outs[-1].finished and 1 < len(outs) < 24
     for index in range(2):
-        if kind == "DELTA":
-            chunks = [c for o in outs for c in o.outputs if c.index == index]
-            ids = [t for c in chunks for t in c.delta_token_ids]
-            text = "".join(c.delta_text for c in chunks)
-            logprobs = [lp for c in chunks for lp in c.logprobs or []]
-        else:
-            final = outs[-1].outputs[index]
-            ids, text, logprobs = final.token_ids, final.text, final.logprobs
+        ids, text, logprobs = assembled(outs, index, delta=kind == "DELTA")
         assert ids == want.outputs[index].token_ids and text == want.outputs[index].text
         assert [sorted(lp) for lp in logprobs] == [sorted(lp) for lp in want.outputs[index].logprobs]
 

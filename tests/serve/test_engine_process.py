@@ -19,6 +19,7 @@ from jaxinfer import InvalidInput, SamplingParams
 from jaxinfer.async_llm import EngineDead
 from jaxinfer.engine_process import EngineClient
 from jaxinfer.validation import RequestOutputKind
+from tests.serve.conftest import assembled, running, tiny_args
 
 KW = dict(random_weights=True, max_model_len=96, max_num_seqs=4, max_num_batched_tokens=32, block_size=16,
           num_pages=40, attention_impl="reference", dtype="float32", decode_steps_per_call=4)
@@ -56,14 +57,7 @@ def test_outputs_equal_llm_for_every_output_kind(client, reference_llm, kind) ->
     if kind == "FINAL_ONLY":
         assert len(outs) == 1
     for index, expected in enumerate(want.outputs):
-        if kind == "DELTA":
-            chunks = [c for o in outs for c in o.outputs if c.index == index]
-            ids = [t for c in chunks for t in c.delta_token_ids]
-            text = "".join(c.delta_text for c in chunks)
-            logprobs = [lp for c in chunks for lp in c.logprobs or []]
-        else:
-            got = next(c for c in last.outputs if c.index == index)
-            ids, text, logprobs = got.token_ids, got.text, got.logprobs
+        ids, text, logprobs = assembled(outs, index, delta=kind == "DELTA")
         assert ids == expected.token_ids and text == expected.text
         assert [{k: (float(v), v.rank, v.decoded_token) for k, v in step.items()} for step in logprobs] == \
                [{k: (float(v), v.rank, v.decoded_token) for k, v in step.items()} for step in expected.logprobs]
@@ -98,7 +92,8 @@ def test_refusals_name_the_field_and_the_engine_goes_on(client) -> None:
         return errors, out
 
     errors, out = asyncio.run(main())
-    assert [e.field for e in errors] == ["logit_bias", "allowed_token_ids", "structured.regex", "sampling_params", "prompt[0]"]
+    assert [e.field for e in errors] == ["logit_bias", "allowed_token_ids", "structured.regex", "sampling_params",
+                                         "prompt[0]"]
     assert isinstance(errors[3], TypeError)  # InvalidInputType stays a TypeError across the pipe
     assert len(out.token_ids) == 3
 
@@ -199,8 +194,6 @@ def test_server_whose_engine_dies_says_so(tmp_path, tiny_model_yaml, smollm2_pat
     """`jaxinfer serve` (engine process by default) with its engine SIGKILLed mid-stream: the open stream ends
     with an engine_dead error event and [DONE], /health turns 503, a new request gets a 503 envelope."""
     import httpx
-
-    from tests.serve.conftest import running, tiny_args
 
     with running(tiny_args(tiny_model_yaml, smollm2_path), tmp_path / "server.log") as server:
         body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 100, "ignore_eos": True, "stream": True}
