@@ -40,6 +40,7 @@ from typing import Any
 
 from jaxinfer import engine_wire as wire
 from jaxinfer.async_llm import AsyncLLM, EngineDead, StreamFront
+from jaxinfer.errors import InvalidInput
 from jaxinfer.outputs import RequestOutput
 
 log = logging.getLogger("jaxinfer.engine_process")
@@ -196,6 +197,10 @@ class EngineClient(StreamFront):
     def __init__(self, model: Any, *, stream_interval: int = 1, **kwargs: Any) -> None:
         from jaxinfer.llm import load_model_tokenizer, resolve_model_name, resolve_source
 
+        if not isinstance(model, str | os.PathLike):
+            raise InvalidInput(f"EngineClient's model must be a name or a path (it is sent to the engine process), "
+                               f"got {type(model).__name__}; use AsyncLLM for a ModelConfig.", field="model",
+                               value=type(model).__name__, accepted="a model name or path")
         self._init_front()
         self._send_lock = threading.Lock()
         kwargs.setdefault("use_tqdm", False)

@@ -138,6 +138,12 @@ def test_a_load_that_fails_raises_its_error_and_a_dead_child_fails_open_streams(
         EngineClient(str(tiny_model_yaml), tokenizer=str(smollm2_path), **{**KW, "max_num_seqs": -1})
     assert err.value.field == "max_num_seqs"
 
+    from jaxinfer.presets import load_preset
+
+    with pytest.raises(InvalidInput, match="name or a path") as err:
+        EngineClient(load_preset("smollm2-135m"), **KW)
+    assert err.value.field == "model"
+
     c = EngineClient(str(tiny_model_yaml), tokenizer=str(smollm2_path), **KW)
 
     async def main():
