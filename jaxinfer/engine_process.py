@@ -107,14 +107,17 @@ class _EngineSide(AsyncLLM):
             self.writer.send({"op": "stats", "stats": self._stats})
 
     def serve_commands(self, pipe: Any) -> None:
-        """Read the server's commands until its pipe closes, each run on the engine loop between steps."""
-        with pipe:
-            for line in pipe:
-                msg = wire.loads(line)
-                if msg["op"] == "shutdown":
-                    break
-                self._command(msg)
-        self._stop.set()
+        """Read the server's commands until its pipe closes, each run on the engine loop between steps; the
+        loop stops after that (or after a message that cannot be read, which leaves nothing to trust)."""
+        try:
+            with pipe:
+                for line in pipe:
+                    msg = wire.loads(line)
+                    if msg["op"] == "shutdown":
+                        break
+                    self._command(msg)
+        finally:
+            self._stop.set()
 
     def _command(self, msg: dict[str, Any]) -> None:
         seq = msg["seq"]
