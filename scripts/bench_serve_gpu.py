@@ -10,8 +10,8 @@
   3. bench-serve at concurrency 64 on --workload (plain, ignore_eos);
   4. the server stopped, the same engine in this process: offline throughput on the same prompts
      (jaxinfer.bench.workloads draws both from the same seed).
-Acceptance: server >= 90% of offline output tok/s; structured >= 90% of the per-request twin's output tok/s. Written to
---out (docs/benchmarks/serve.json in the repo) with every sweep in full.
+Acceptance: server >= 90% of offline output tok/s; structured >= 90% of the per-request twin's output tok/s.
+Written to --out (docs/benchmarks/serve.json in the repo) with every sweep in full.
 
     PYTHONPATH=$PWD python3 scripts/bench_serve_gpu.py --tokenizer /path/to/smollm2-tokenizer --out $OUT/serve.json
 """
