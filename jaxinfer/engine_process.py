@@ -317,7 +317,7 @@ class EngineClient(StreamFront):
         self.pending_adds += 1
         try:
             params = as_sampling_params(params)
-            fields = {"request_id": rid, "prompt": _jsonable_prompt(prompt), "params": wire.encode_params(params),
+            fields = {"request_id": rid, "prompt": prompt, "params": wire.encode_params(params),
                       "priority": priority}
             await asyncio.wrap_future(self._request("add", **fields))
         finally:
@@ -395,17 +395,6 @@ def _spawn() -> tuple[subprocess.Popen, int, int]:
     os.close(to_child_r)
     os.close(from_child_w)
     return proc, to_child_w, from_child_r
-
-
-def _jsonable_prompt(prompt: Any) -> Any:
-    """Prompts as JSON holds them: arrays and tuples of ids as lists (the engine's door checks the rest)."""
-    if hasattr(prompt, "tolist"):
-        return prompt.tolist()
-    if isinstance(prompt, tuple):
-        return list(prompt)
-    if isinstance(prompt, dict):
-        return {k: _jsonable_prompt(v) for k, v in prompt.items()}
-    return prompt
 
 
 if __name__ == "__main__":

@@ -27,11 +27,12 @@ def dumps(message: dict[str, Any]) -> bytes:
 
 
 def _plain(value: Any) -> Any:
-    """What JSON has no type for: NumPy scalars and arrays as numbers and lists, anything else as its text."""
+    """What JSON has no type for: NumPy scalars and arrays (a prompt's ids, a stat) as numbers and lists, sets
+    as lists, anything else as its text."""
     if hasattr(value, "tolist"):
         return value.tolist()
-    if isinstance(value, tuple | set | frozenset):
-        return list(value)
+    if isinstance(value, set | frozenset):
+        return sorted(value, key=str)
     return str(value)
 
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from jaxinfer import InvalidInput, SamplingParams
@@ -70,6 +71,7 @@ def test_token_prompts_prompt_logprobs_and_structured_output(client, reference_l
     want = reference_llm.generate([ids], params, use_tqdm=False)[0]
     got = _collect(client, {"prompt_token_ids": ids}, params, "ids")[-1]
     assert got.token_ids == want.token_ids
+    assert _collect(client, np.asarray(ids, np.int64), params, "array")[-1].token_ids == want.token_ids
     assert [None if s is None else {k: float(v) for k, v in s.items()} for s in got.prompt_logprobs] == \
            [None if s is None else {k: float(v) for k, v in s.items()} for s in want.prompt_logprobs]
     choice = SamplingParams(max_tokens=8, temperature=0.9, seed=1, structured={"choice": ["yes", "no", "maybe"]})
