@@ -64,10 +64,8 @@ class _Writer:
 
     def _run(self) -> None:
         while (data := self._queue.get()) is not None:
-            view = memoryview(data)
             try:
-                while view:
-                    view = view[os.write(self._fd, view):]
+                _write_all(self._fd, data)
             except OSError:  # the server is gone; the command pipe's end stops the loop
                 return
 
@@ -228,16 +226,15 @@ class EngineClient(StreamFront):
         self._stats = ready["stats"]
         self._seq = itertools.count()
         self._replies: dict[int, concurrent.futures.Future[Any]] = {}
-        self._lock = threading.Lock()  # the replies table and the command pipe, used from several threads
+        self._lock = threading.Lock()  # the replies table, used by the event loop and the reader thread
         self._prompts = wire.PromptCache()
         self._reader = threading.Thread(target=self._read, name="jaxinfer-engine-reader", daemon=True)
         self._reader.start()
 
     def _send(self, message: dict[str, Any]) -> None:
-        view = memoryview(wire.dumps(message))
+        data = wire.dumps(message)
         with self._send_lock:  # a long prompt is written in pieces: no other message may come between them
-            while view:
-                view = view[os.write(self._out_fd, view):]
+            _write_all(self._out_fd, data)
 
     def _read_ready(self) -> dict[str, Any]:
         line = self._lines.readline()
@@ -383,6 +380,13 @@ class EngineClient(StreamFront):
         except subprocess.TimeoutExpired:
             self._proc.kill()
             self._proc.wait()
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """os.write until every byte is out (a pipe takes a long message in pieces)."""
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]
 
 
 def _spawn() -> tuple[subprocess.Popen, int, int]:
