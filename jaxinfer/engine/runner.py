@@ -250,17 +250,10 @@ class ModelRunner:
         if seq > 1 and token_ids.shape[0] % seq == 0:
             token_ids = jax.lax.with_sharding_constraint(token_ids, NamedSharding(self.mesh, P("seq")))
         if self.moe_fn is None:
-            hidden, kv_cache = self.family.forward(weights, self.cfg, token_ids, md, kv_cache, attn_fn)
+            # Dense Qwen3 shares the MoE families' forward, which also returns (empty) expert counts.
+            hidden, kv_cache = self.family.forward(weights, self.cfg, token_ids, md, kv_cache, attn_fn)[:2]
             return hidden, kv_cache, jnp.zeros((0,), jnp.int32)
-        counts = []
-
-        def moe_fn(*args: Any, **kwargs: Any) -> tuple[jax.Array, jax.Array]:
-            out, layer_counts = self.moe_fn(*args, **kwargs)
-            counts.append(layer_counts)  # traced values of this same trace, summed below
-            return out, layer_counts
-
-        hidden, kv_cache = self.family.forward(weights, self.cfg, token_ids, md, kv_cache, attn_fn, moe_fn=moe_fn)
-        return hidden, kv_cache, sum(counts, jnp.zeros((self.num_experts,), jnp.int32))
+        return self.family.forward(weights, self.cfg, token_ids, md, kv_cache, attn_fn, moe_fn=self.moe_fn)
 
     def _count_compile(self) -> None:
         with self._trace_lock:  # called only while tracing, i.e. once per new bucket shape

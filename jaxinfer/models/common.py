@@ -6,6 +6,7 @@ N q heads, K kv heads, G = N/K, H head dim, P pages, R page size, S sequences, M
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -44,6 +45,20 @@ class AttentionMetadata:
 # (q [T, N, H], k [T, K, H], v [T, K, H], k_pages [P, R, Kc, H], v_pages, md, **layer settings)
 #   -> (out [T, N, H], k_pages, v_pages)
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
+
+
+def layer_program(body: Callable[..., Any], **bound: Any) -> Callable[..., Any]:
+    """One decoder layer (`body` with `bound` fixed: config, attention and linear functions) as a jitted
+    function that a forward calls once per layer.
+
+    Why: the layer loop is unrolled so that each layer keeps its own cache buffer (ARCHITECTURE.md), which
+    made every program trace and lower its layer once per layer: 32 times for Llama-3-8B, and warmup
+    traces one program per bucket (~1.6 s each on a GPU host). Calls with the same argument shapes hit
+    jax.jit's trace cache, and the lowering emits one function that every call site shares, so a forward
+    traces each kind of layer once. XLA inlines the calls before optimizing, so the compiled program, its
+    fusions and the in-place cache updates are those of the unrolled loop (tests/models/test_layer_program.py).
+    Make one per forward: the bound callables are not hashable, and a fresh jit keeps nothing alive."""
+    return jax.jit(functools.partial(body, **bound))
 
 
 def refuse_fields(cfg: ModelConfig, fields: tuple[str, ...], family: str) -> None:

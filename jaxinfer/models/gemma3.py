@@ -51,6 +51,7 @@ from jaxinfer.models.common import (
     AttentionMetadata,
     apply_rope,
     gated_mlp,
+    layer_program,
     output_projection,
     refuse_fields,
     rms_norm,
@@ -215,6 +216,20 @@ def embed_tokens(weights: Gemma3Weights, token_ids: jax.Array, linear: Linear = 
     return x * jnp.asarray(math.sqrt(x.shape[1]), x.dtype)
 
 
+def decoder_layer(layer: Gemma3Layer, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata,
+                  inv_freq: jax.Array, *, attn_kwargs: dict[str, Any], cfg: ModelConfig, attn_fn: AttentionFn,
+                  linear: Linear) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [T, D] -> x [T, D] after one sandwich-normed attention + GeGLU block, and the layer's updated pages."""
+    eps = cfg.rms_norm_eps
+    h = _norm(x, layer.attn_norm, eps)
+    h, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, LayerAttention(inv_freq, attn_kwargs), cfg,
+                                          attn_fn, linear)
+    x = x + _norm(h, layer.post_attn_norm, eps)
+    h = _norm(x, layer.mlp_norm, eps)
+    h = gated_mlp(h, layer.w_gate, layer.w_up, layer.w_down, "gelu_tanh", linear)
+    return x + _norm(h, layer.post_mlp_norm, eps), k_pages, v_pages
+
+
 def forward(
     weights: Gemma3Weights,
     cfg: ModelConfig,
@@ -225,19 +240,20 @@ def forward(
     *,
     linear: Linear = DEFAULT_LINEAR,
 ) -> tuple[jax.Array, KVCache]:
-    """token_ids [T] -> final normed hidden states [T, D] and the updated cache (layer loop unrolled)."""
+    """token_ids [T] -> final normed hidden states [T, D] and the updated cache (layer loop unrolled, each
+    kind of layer traced once: common.layer_program)."""
     ex = gemma3_extras(cfg)
     eps = cfg.rms_norm_eps
     settings = layer_attention_settings(cfg, ex)
     x = embed_tokens(weights, token_ids, linear)  # [T, D]
+    programs: dict[tuple[Any, ...], Any] = {}  # one jitted layer per kind of attention (local, global)
     new_k, new_v = [], []
     for layer, k_pages, v_pages, s in zip(weights.layers, kv_cache.k, kv_cache.v, settings):
-        h = _norm(x, layer.attn_norm, eps)
-        h, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, s, cfg, attn_fn, linear)
-        x = x + _norm(h, layer.post_attn_norm, eps)
-        h = _norm(x, layer.mlp_norm, eps)
-        h = gated_mlp(h, layer.w_gate, layer.w_up, layer.w_down, "gelu_tanh", linear)
-        x = x + _norm(h, layer.post_mlp_norm, eps)
+        kind = tuple(sorted(s.kwargs.items()))
+        if kind not in programs:
+            programs[kind] = layer_program(decoder_layer, attn_kwargs=s.kwargs, cfg=cfg, attn_fn=attn_fn,
+                                           linear=linear)
+        x, k_pages, v_pages = programs[kind](layer, x, k_pages, v_pages, md, s.inv_freq)
         new_k.append(k_pages)
         new_v.append(v_pages)
     x = _norm(x, weights.final_norm, eps)

@@ -25,6 +25,7 @@ from jaxinfer.models.common import (
     embed_lookup,
     gated_mlp,
     head_projections,
+    layer_program,
     output_projection,
     rms_norm,
     rope_inv_freq,
@@ -114,6 +115,18 @@ def attention_block(
     return out, k_pages, v_pages
 
 
+def decoder_layer(layer: LlamaLayer, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata,
+                  inv_freq: jax.Array, *, cfg: ModelConfig, attn_fn: AttentionFn,
+                  linear: Linear) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [T, D] -> x [T, D] after one pre-norm attention + gated MLP block, and the layer's updated pages."""
+    h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+    attn_out, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, inv_freq, attn_fn, linear)
+    x = x + attn_out
+    h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+    x = x + gated_mlp(h, layer.w_gate, layer.w_up, layer.w_down, "silu", linear)
+    return x, k_pages, v_pages
+
+
 def forward(
     weights: LlamaWeights,
     cfg: ModelConfig,
@@ -126,18 +139,16 @@ def forward(
 ) -> tuple[jax.Array, KVCache]:
     """token_ids [T] -> final normed hidden states [T, D] and the updated cache.
 
-    The layer loop is unrolled in Python so each layer's cache is its own buffer (ARCHITECTURE.md).
+    The layer loop is unrolled in Python so each layer's cache is its own buffer (ARCHITECTURE.md); every
+    layer calls one jitted `decoder_layer`, traced once (common.layer_program).
     `linear` applies quantized weights (jaxinfer.linear); float weights never use it.
     """
     inv_freq = rope_inv_freq(cfg.head_size, cfg.rope_theta, cfg)
     x = embed_lookup(weights.embed, token_ids, weights.final_norm.dtype, linear)  # [T, D]
+    run_layer = layer_program(decoder_layer, cfg=cfg, attn_fn=attn_fn, linear=linear)
     new_k, new_v = [], []
     for layer, k_pages, v_pages in zip(weights.layers, kv_cache.k, kv_cache.v):
-        h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
-        attn_out, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, inv_freq, attn_fn, linear)
-        x = x + attn_out
-        h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
-        x = x + gated_mlp(h, layer.w_gate, layer.w_up, layer.w_down, "silu", linear)
+        x, k_pages, v_pages = run_layer(layer, x, k_pages, v_pages, md, inv_freq)
         new_k.append(k_pages)
         new_v.append(v_pages)
     x = rms_norm(x, weights.final_norm, cfg.rms_norm_eps)

@@ -28,6 +28,7 @@ from jaxinfer.models.common import (
     gguf_arch_key,
     hf_num_experts,
     hf_rope_theta,
+    layer_program,
     refuse_fields,
     require_fields,
     rms_norm,
@@ -103,26 +104,35 @@ def forward(
     *,
     moe_fn: MoEFn = moe_block,
     linear: Linear = DEFAULT_LINEAR,
-) -> tuple[jax.Array, KVCache]:
-    """token_ids [T] -> final normed hidden states [T, D] and the updated cache (layer loop unrolled)."""
+) -> tuple[jax.Array, KVCache, jax.Array]:
+    """token_ids [T] -> (final normed hidden states [T, D], the updated cache, tokens routed to each expert
+    summed over the layers [E] int32); the layer loop is unrolled, the layer traced once (common.layer_program)."""
     eps = cfg.rms_norm_eps
     inv_freq = rope_inv_freq(cfg.head_size, cfg.rope_theta, cfg)
     x = embed_lookup(weights.embed, token_ids, weights.final_norm.dtype, linear)  # [T, D]
     valid = valid_tokens(md, x.shape[0])  # [T]
-    new_k, new_v = [], []
+    run_layer = layer_program(decoder_layer, cfg=cfg, attn_fn=attn_fn, moe_fn=moe_fn, linear=linear)
+    new_k, new_v, counts = [], [], jnp.zeros((cfg.num_experts,), jnp.int32)
     for layer, k_pages, v_pages in zip(weights.layers, kv_cache.k, kv_cache.v):
-        h = rms_norm(x, layer.attn_norm, eps)
-        attn_out, k_pages, v_pages = llama.attention_block(layer, h, k_pages, v_pages, md, inv_freq, attn_fn,
-                                                           linear)
-        x = x + attn_out
-        h = rms_norm(x, layer.mlp_norm, eps)
-        moe_out, _ = moe_fn(h, layer.moe, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
-                            valid=valid)
-        x = x + moe_out
+        x, k_pages, v_pages, layer_counts = run_layer(layer, x, k_pages, v_pages, md, inv_freq, valid)
         new_k.append(k_pages)
         new_v.append(v_pages)
+        counts = counts + layer_counts
     x = rms_norm(x, weights.final_norm, eps)
-    return x, KVCache(k=tuple(new_k), v=tuple(new_v))
+    return x, KVCache(k=tuple(new_k), v=tuple(new_v)), counts
+
+
+def decoder_layer(layer: MixtralLayer, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata,
+                  inv_freq: jax.Array, valid: jax.Array, *, cfg: ModelConfig, attn_fn: AttentionFn, moe_fn: MoEFn,
+                  linear: Linear) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """x [T, D] -> (x [T, D], the layer's updated pages, tokens per expert [E]) after attention + MoE."""
+    h = rms_norm(x, layer.attn_norm, cfg.rms_norm_eps)
+    attn_out, k_pages, v_pages = llama.attention_block(layer, h, k_pages, v_pages, md, inv_freq, attn_fn, linear)
+    x = x + attn_out
+    h = rms_norm(x, layer.mlp_norm, cfg.rms_norm_eps)
+    moe_out, counts = moe_fn(h, layer.moe, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob,
+                             valid=valid)
+    return x + moe_out, k_pages, v_pages, counts
 
 
 compute_logits = llama.compute_logits  # hidden [S, D] -> float32 [S, V]

@@ -40,6 +40,7 @@ from jaxinfer.models.common import (
     AttentionMetadata,
     apply_rope,
     gated_mlp,
+    layer_program,
     output_projection,
     gguf_arch_key,
     hf_num_experts,
@@ -162,11 +163,28 @@ def attention_block(
 
 
 def feed_forward(layer: Qwen3Layer, h: jax.Array, cfg: ModelConfig, valid: jax.Array, moe_fn: MoEFn,
-                 linear: Linear = DEFAULT_LINEAR) -> jax.Array:
+                 linear: Linear = DEFAULT_LINEAR) -> tuple[jax.Array, jax.Array]:
+    """h [T, D] -> (out [T, D], tokens routed to each expert [E] int32; zeros for a dense layer)."""
     if layer.moe is None:
-        return gated_mlp(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down, "silu", linear)
-    out, _ = moe_fn(h, layer.moe, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, valid=valid)
-    return out
+        out = gated_mlp(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down, "silu", linear)
+        return out, no_expert_counts(cfg)
+    return moe_fn(h, layer.moe, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, valid=valid)
+
+
+def no_expert_counts(cfg: ModelConfig) -> jax.Array:
+    return jnp.zeros((cfg.num_experts or 0,), jnp.int32)  # [E]
+
+
+def decoder_layer(layer: Qwen3Layer, x: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata,
+                  inv_freq: jax.Array, valid: jax.Array, *, cfg: ModelConfig, attn_fn: AttentionFn, moe_fn: MoEFn,
+                  linear: Linear) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+    """x [T, D] -> (x [T, D], the layer's updated pages, tokens per expert [E]) after attention + MLP or MoE."""
+    eps = cfg.rms_norm_eps
+    h = rms_norm(x, layer.attn_norm, eps)
+    attn_out, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, inv_freq, eps, attn_fn, linear)
+    x = x + attn_out
+    out, counts = feed_forward(layer, rms_norm(x, layer.mlp_norm, eps), cfg, valid, moe_fn, linear)
+    return x + out, k_pages, v_pages, counts
 
 
 def forward(
@@ -179,8 +197,10 @@ def forward(
     *,
     moe_fn: MoEFn = moe_block,
     linear: Linear = DEFAULT_LINEAR,
-) -> tuple[jax.Array, KVCache]:
-    """token_ids [T] -> final normed hidden states [T, D] and the updated cache (layer loop unrolled).
+) -> tuple[jax.Array, KVCache, jax.Array]:
+    """token_ids [T] -> (final normed hidden states [T, D], the updated cache, the tokens routed to each expert
+    summed over the sparse layers [E] int32). The layer loop is unrolled, each kind of layer (dense, sparse)
+    traced once (common.layer_program).
 
     `moe_fn` replaces the MoE block of sparse layers (a Pallas grouped matmul, expert-parallel dispatch);
     `linear` applies quantized weights (jaxinfer.linear).
@@ -189,16 +209,15 @@ def forward(
     inv_freq = rope_inv_freq(cfg.head_size, cfg.rope_theta, cfg)
     x = embed_lookup(weights.embed, token_ids, weights.final_norm.dtype, linear)  # [T, D]
     valid = valid_tokens(md, x.shape[0])  # [T]
-    new_k, new_v = [], []
+    run_layer = layer_program(decoder_layer, cfg=cfg, attn_fn=attn_fn, moe_fn=moe_fn, linear=linear)
+    new_k, new_v, counts = [], [], no_expert_counts(cfg)
     for layer, k_pages, v_pages in zip(weights.layers, kv_cache.k, kv_cache.v):
-        h = rms_norm(x, layer.attn_norm, eps)
-        attn_out, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, inv_freq, eps, attn_fn, linear)
-        x = x + attn_out
-        x = x + feed_forward(layer, rms_norm(x, layer.mlp_norm, eps), cfg, valid, moe_fn, linear)
+        x, k_pages, v_pages, layer_counts = run_layer(layer, x, k_pages, v_pages, md, inv_freq, valid)
         new_k.append(k_pages)
         new_v.append(v_pages)
+        counts = counts + layer_counts
     x = rms_norm(x, weights.final_norm, eps)
-    return x, KVCache(k=tuple(new_k), v=tuple(new_v))
+    return x, KVCache(k=tuple(new_k), v=tuple(new_v)), counts
 
 
 compute_logits = llama.compute_logits  # hidden [S, D] -> float32 [S, V], tied or not

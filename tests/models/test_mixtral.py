@@ -38,8 +38,8 @@ def test_paged_forward_matches_dense_reference(overrides: dict) -> None:
 def test_full_size_preset_traces() -> None:
     cfg = load_preset("mixtral-8x7b")
     assert count_params(MIXTRAL.param_specs(cfg, jnp.bfloat16)) / 1e9 == pytest.approx(46.70, rel=0.005)
-    hidden, cache = _abstract_forward(cfg)
-    assert hidden.shape == (256, 4096) and len(cache.k) == 32
+    hidden, cache, counts = _abstract_forward(cfg)
+    assert hidden.shape == (256, 4096) and len(cache.k) == 32 and counts.shape == (8,)
 
 
 def test_config_refusals() -> None:
