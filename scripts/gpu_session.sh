@@ -39,6 +39,8 @@
 #   structured_thread  the two server runs of `structured` with the engine on a thread of the server's process
 #                (`--no-engine-process`, the layout before the engine process): the same-lease baseline
 #   structured_proc  the same two server runs with the engine in its own process (`jaxinfer serve`'s default)
+#   ab_b1        batch-1 decode (end to end and device only) of .ab_old (a git worktree, carried) and this tree,
+#                alternating twice: $OUT/ab_b1.jsonl
 #   ab_grid      issue 12's TP=1 bar: the run of record's fixed grids and decode at batch 1 through the public
 #                API, the 11-22 tree (.ab_old, a git worktree of 014cf88, carried) then this one
 #                (scripts/ab_prefill.py --workload grid); JSON lines in $OUT/ab_grid.jsonl
@@ -142,6 +144,9 @@ print(f(llm.describe()))' ;;
     ab_grid)
       run ab_grid 590 bash -c 'for t in .ab_old .; do PYTHONPATH=$t python3 scripts/ab_prefill.py --label $t \
         --workload grid --repeats 2 | tee -a "$OUT/ab_grid.jsonl"; done' ;;
+    ab_b1)
+      run ab_b1 590 python3 scripts/ab_bench.py --trees .ab_old . --repeats 2 --out "$OUT/ab_b1.jsonl" -- \
+        --hf skip --memory-fraction 0.85 --sections decode decode_device --decode-batches 1 ;;
     spec_test)
       JAXINFER_SMOLLM2_GGUF=/tmp/smollm2.gguf run spec_test 300 python3 -m pytest -q -m gpu tests/test_bench_spec.py ;;
     *) echo "unknown section $section" ;;

@@ -21,10 +21,34 @@ from pathlib import Path
 from typing import Any
 
 
+# JAX's own timings of what a start spends on compilation, summed over every program it builds.
+COMPILE_EVENTS = {"/jax/core/compile/jaxpr_trace_duration": "trace",
+                  "/jax/core/compile/jaxpr_to_mlir_module_duration": "lower",
+                  "/jax/core/compile/backend_compile_duration": "xla_compile",
+                  "/jax/compilation_cache/cache_retrieval_time_sec": "cache_load"}
+
+
+def _watch_compilation() -> dict[str, float]:
+    """Seconds and counts per COMPILE_EVENTS entry (`trace_total_s`, `xla_compile_count`, ...), filled as JAX
+    reports them."""
+    import jax
+
+    totals: dict[str, float] = {}
+
+    def on_duration(event: str, duration: float, **_: Any) -> None:
+        if (name := COMPILE_EVENTS.get(event)) is not None:
+            totals[f"{name}_total_s"] = totals.get(f"{name}_total_s", 0.0) + duration
+            totals[f"{name}_count"] = totals.get(f"{name}_count", 0) + 1
+
+    jax.monitoring.register_event_duration_secs_listener(on_duration)
+    return totals
+
+
 def start(spec: dict[str, Any]) -> dict[str, Any]:
     """Build the engine with the spec's settings and generate one token; seconds since `spec["launched"]`."""
     from jaxinfer import LLM, SamplingParams
 
+    compilation = _watch_compilation()
     imported = time.time()
     llm = LLM(spec["model"], random_weights=True, use_tqdm=False, compilation_cache_dir=spec["cache_dir"],
               **spec["engine"])
@@ -36,7 +60,8 @@ def start(spec: dict[str, Any]) -> dict[str, Any]:
             "first_token_s": done - spec["launched"], **llm.engine.runner.precompile_times,
             "num_pages": llm.engine.runner.kv_cache.k[0].shape[0],  # pages allocated, the trash page included
             "cache_files": sum(1 for p in cache.rglob("*") if p.is_file()),
-            "compiles_after_warmup": llm.engine_stats()["num_compiles_after_warmup"]}
+            "compiles_after_warmup": llm.engine_stats()["num_compiles_after_warmup"],
+            "compilation": {k: round(v, 3) for k, v in compilation.items()}}
 
 
 def defaults(spec: dict[str, Any]) -> dict[str, Any]:

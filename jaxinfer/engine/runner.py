@@ -503,7 +503,14 @@ class ModelRunner:
 def copy_pages(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
     """Copy-on-write: page dst <- page src in every layer (reads all happen before writes); every leaf has
     pages first, so quantized pages copy their per-token scales with their values."""
-    return jax.tree.map(lambda a: a.at[dst].set(a[src]), kv_cache)
+    return jax.tree.map(lambda a: _copy_leaf_pages(a, src, dst), kv_cache)
+
+
+@jax.jit
+def _copy_leaf_pages(pages: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
+    # Jitted so that the 2 x layers leaves of one shape trace once per program (as models.common.layer_program
+    # does for the layers); XLA inlines it, and the update stays in place in the donated cache.
+    return pages.at[dst].set(pages[src])
 
 
 def decode_metadata(
