@@ -454,32 +454,34 @@ class ModelRunner:
     def precompile(self, calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]], threads: int | None = None) -> None:
         """Compile every (kind, example args after weights and cache, static args) ahead of time.
 
-        Tracing holds the GIL, so it runs in turn; XLA compilation releases it, so the buckets compile in
-        parallel threads (on a GPU host most of warmup is XLA compile time). Each executable is kept and
-        used by `step`/`decode_steps` for inputs of the same shapes.
+        Tracing and lowering hold the GIL, so they run in turn; XLA compilation (or loading from the persistent
+        cache) releases it, so each program goes to a pool of `threads` as soon as it is lowered and compiles
+        while the next ones are traced (on a GPU host most of a cold warmup is XLA compile time). Each executable
+        is kept and used by `step`/`decode_steps` for inputs of the same shapes. `precompile_times`: `trace_s`
+        the tracing loop, `compile_s` the compiles still running after it.
         """
         start = time.perf_counter()
-        lowered = []
-        for kind, rest, static in calls:
-            # Lowered with the host inputs placed as `place` puts them at run time: left to the compiler, an input
-            # used under a shard_map (the structured-output bitmask) would be compiled for a split layout that
-            # the replicated arguments of a real step then fail to match.
-            placed = self.place(tuple(rest))
-            args = (self.weights, self.kv_cache)[: self._own_args.get(kind, 2)] + placed
-            key = self._key(kind, args, static)
-            if key not in self._executables:
-                lowered.append((key, self._jitted(kind).lower(*args, **static)))
-                if kind == "forward":  # and the prompt-logprob program over its hidden states
-                    lowered.extend(self._lower_prompt(lowered[-1][1].out_info[1].hidden))
-        if not lowered:
-            return
-        traced = time.perf_counter()
-        threads = threads or min(len(lowered), max(1, (os.cpu_count() or 1) // 2))
+        threads = threads or max(1, (os.cpu_count() or 1) // 2)
         with ThreadPoolExecutor(threads) as pool:
-            executables = list(pool.map(lambda item: item[1].compile(), lowered))
-        self._executables.update((key, exe) for (key, _), exe in zip(lowered, executables))
-        self.precompile_times = {"executables": len(lowered), "threads": threads, "trace_s": traced - start,
-                                 "compile_s": time.perf_counter() - traced}
+            pending = []
+            for kind, rest, static in calls:
+                # Lowered with the host inputs placed as `place` puts them at run time: left to the compiler, an
+                # input used under a shard_map (the structured-output bitmask) would be compiled for a split layout
+                # that the replicated arguments of a real step then fail to match.
+                placed = self.place(tuple(rest))
+                args = (self.weights, self.kv_cache)[: self._own_args.get(kind, 2)] + placed
+                key = self._key(kind, args, static)
+                if key in self._executables or key in dict(pending):
+                    continue
+                lowered = [(key, self._jitted(kind).lower(*args, **static))]
+                if kind == "forward":  # and the prompt-logprob program over its hidden states
+                    lowered.extend(self._lower_prompt(lowered[0][1].out_info[1].hidden))
+                pending.extend((k, pool.submit(low.compile)) for k, low in lowered)
+            traced = time.perf_counter()
+            self._executables.update((key, future.result()) for key, future in pending)
+        if pending:
+            self.precompile_times = {"executables": len(pending), "threads": threads, "trace_s": traced - start,
+                                     "compile_s": time.perf_counter() - traced}
 
     def _lower_prompt(self, hidden: jax.ShapeDtypeStruct) -> list[tuple[tuple[Any, ...], Any]]:
         """The prompt-logprob program lowered for a forward's hidden states [T, D], unless compiled already."""
