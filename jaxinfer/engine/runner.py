@@ -465,22 +465,25 @@ class ModelRunner:
         with ThreadPoolExecutor(threads) as pool:
             pending = []
             for kind, rest, static in calls:
-                # Lowered with the host inputs placed as `place` puts them at run time: left to the compiler, an
-                # input used under a shard_map (the structured-output bitmask) would be compiled for a split layout
-                # that the replicated arguments of a real step then fail to match.
-                placed = self.place(tuple(rest))
-                args = (self.weights, self.kv_cache)[: self._own_args.get(kind, 2)] + placed
+                # Lowered for the host inputs as `place` puts them at run time: left to the compiler, an input
+                # used under a shard_map (the structured-output bitmask) would be compiled for a split layout
+                # that the replicated arguments of a real step then fail to match. Placing them for real also
+                # compiles the transfers' unpacking programs (dozens of small compiles on a cold start), so that
+                # runs on the pool too.
+                pending.append((None, pool.submit(self.place, tuple(rest))))
+                args = (self.weights, self.kv_cache)[: self._own_args.get(kind, 2)] + self.transfer.abstract(rest)
                 key = self._key(kind, args, static)
-                if key in self._executables or key in dict(pending):
+                if key in self._executables or key in dict(pending):  # (None: a placement)
                     continue
                 lowered = [(key, self._jitted(kind).lower(*args, **static))]
                 if kind == "forward":  # and the prompt-logprob program over its hidden states
                     lowered.extend(self._lower_prompt(lowered[0][1].out_info[1].hidden))
                 pending.extend((k, pool.submit(low.compile)) for k, low in lowered)
             traced = time.perf_counter()
-            self._executables.update((key, future.result()) for key, future in pending)
-        if pending:
-            self.precompile_times = {"executables": len(pending), "threads": threads, "trace_s": traced - start,
+            done = [(key, future.result()) for key, future in pending]  # a placement's error surfaces here too
+            self._executables.update((key, exe) for key, exe in done if key is not None)
+        if programs := sum(key is not None for key, _ in pending):
+            self.precompile_times = {"executables": programs, "threads": threads, "trace_s": traced - start,
                                      "compile_s": time.perf_counter() - traced}
 
     def _lower_prompt(self, hidden: jax.ShapeDtypeStruct) -> list[tuple[tuple[Any, ...], Any]]:

@@ -115,6 +115,17 @@ class Transfer:
             k += n
         return tuple(placed) if isinstance(args, tuple) else placed[0]
 
+    def abstract(self, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        """What `place(args)` returns, as shapes, dtypes and shardings only (device arrays as they are), for
+        lowering ahead of time without sending anything."""
+        def one(leaf: Any) -> Any:
+            if isinstance(leaf, jax.Array):
+                return leaf
+            aval = jax.typeof(leaf)
+            return jax.ShapeDtypeStruct(aval.shape, aval.dtype, weak_type=aval.weak_type, sharding=self.sharding)
+
+        return tuple(jax.tree.map(one, tuple(args)))
+
     def _plan(self, part: Any) -> _Plan:
         flat, tree = jax.tree_util.tree_flatten_with_path(part)
         leaves = [leaf for _, leaf in flat]
