@@ -30,12 +30,14 @@ def main() -> None:
     p.add_argument("--decode-steps-per-call", type=int, default=8)
     p.add_argument("--memory-fraction", type=float, default=0.5)
     p.add_argument("--num-pages", type=int, default=None)
+    p.add_argument("--compile-threads", type=int, default=None, help="LLM(compile_threads=...); default: half the cores")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--out", default="warmup.json")
     args = p.parse_args()
     engine = {"dtype": args.dtype, "max_num_seqs": args.max_num_seqs, "max_model_len": args.max_model_len,
               "max_num_batched_tokens": args.max_num_batched_tokens, "memory_fraction": args.memory_fraction,
-              "decode_steps_per_call": args.decode_steps_per_call, "num_pages": args.num_pages}
+              "decode_steps_per_call": args.decode_steps_per_call, "num_pages": args.num_pages,
+              "compile_threads": args.compile_threads}
     result = start_times(args.model, engine, args.cache_dir)
     for label in ("cold", "warm"):
         print(json.dumps({label: result.get(label)}))

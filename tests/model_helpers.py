@@ -32,14 +32,14 @@ def tiny_config(**overrides) -> ModelConfig:
 
 def build_runner(cfg: ModelConfig, tp: int = 1, seed: int = 0, num_pages: int = 64, page_size: int = 4,
                  family: ModelFamily = LLAMA, weights_hook: Callable[[Any], Any] | None = None,
-                 attention_impl: str = "reference") -> ModelRunner:
+                 attention_impl: str = "reference", dtype: Any = jnp.float32) -> ModelRunner:
     """A runner over random weights (reference attention unless told); `weights_hook` may perturb them."""
     mesh = make_mesh(MeshConfig(tensor=tp))
     rules = tensor_parallel_rules(cfg, tp)
-    weights = init_params(family.param_specs(cfg, jnp.float32), jax.random.key(seed), mesh, rules)
+    weights = init_params(family.param_specs(cfg, dtype), jax.random.key(seed), mesh, rules)
     if weights_hook is not None:
         weights = weights_hook(weights)
-    cache = allocate_kv_cache(cfg, num_pages, page_size, jnp.float32, mesh, rules)
+    cache = allocate_kv_cache(cfg, num_pages, page_size, dtype, mesh, rules)
     return ModelRunner(family, cfg, weights, cache, mesh, rules, attention_impl=attention_impl)
 
 

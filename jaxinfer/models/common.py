@@ -132,16 +132,10 @@ def project(x: jax.Array, w: Any, spec: str, out_axis: Logical, linear: Linear =
 
 def head_projections(x: jax.Array, wq: Any, wk: Any, wv: Any, head_dim: int,
                      linear: Linear = DEFAULT_LINEAR) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [T, D] -> q [T, N, H], k [T, K, H], v [T, K, H] (float or quantized weights).
-
-    A float weight [D, N, H] is contracted as one [T, D] x [D, N*H] matmul: as the einsum "td,dnh->tnh",
-    XLA's GPU layout assignment transposed float32 weights to [N, H, D] on every call (a copy of wq, wk and
-    wv per layer per step; tests/engine/test_no_copies.py). The reshapes are row-major bitcasts."""
+    """x [T, D] -> q [T, N, H], k [T, K, H], v [T, K, H] (float or quantized weights)."""
     def heads(w: Any, axis: Logical) -> jax.Array:
-        if is_quantized(w):
-            return project(x, w, "", axis, linear, (w.out_features // head_dim, head_dim))
-        d, n, h = w.shape
-        return jnp.einsum("td,dm->tm", x, w.reshape(d, n * h)).reshape(x.shape[0], n, h)  # [T, N, H]
+        out_shape = None if not is_quantized(w) else (w.out_features // head_dim, head_dim)
+        return project(x, w, "td,dnh->tnh", axis, linear, out_shape)
 
     return heads(wq, Logical.Q_HEADS), heads(wk, Logical.KV_HEADS), heads(wv, Logical.KV_HEADS)
 

@@ -42,8 +42,8 @@ def _copies(text: str, sizes: set[int]) -> list[str]:
     return found
 
 
-def _compiled(family, cfg, attention_impl: str) -> tuple[list[str], set[int]]:
-    runner = build_runner(cfg, family=family, num_pages=40, page_size=4, attention_impl=attention_impl)
+def _compiled(family, cfg, attention_impl: str, dtype=jnp.float32) -> tuple[list[str], set[int]]:
+    runner = build_runner(cfg, family=family, num_pages=40, page_size=4, attention_impl=attention_impl, dtype=dtype)
     engine = Engine(runner, None, EngineConfig(max_num_seqs=8, max_num_batched_tokens=32),
                     CacheConfig(page_size=4, num_pages=40), use_tqdm=False, decode_steps_per_call=8)
     texts = [step_hlo(engine, 16)]
@@ -57,9 +57,9 @@ def _compiled(family, cfg, attention_impl: str) -> tuple[list[str], set[int]]:
 FAMILIES = {"llama": (LLAMA, tiny_config), "gemma3": (GEMMA3, tiny_gemma_config)}
 
 
-def _check(name: str, attention_impl: str) -> None:
+def _check(name: str, attention_impl: str, dtype=jnp.float32) -> None:
     family, make = FAMILIES[name]
-    texts, sizes = _compiled(family, make(hidden_size=80, intermediate_size=112), attention_impl)
+    texts, sizes = _compiled(family, make(hidden_size=80, intermediate_size=112), attention_impl, dtype)
     for text in texts:
         assert "while" in text or "decode" not in text
         assert _copies(text, sizes) == []
@@ -72,9 +72,14 @@ def test_decode_loop_and_step_copy_no_weight_or_cache(name: str, attention_impl:
     _check(name, attention_impl)
 
 
+# In bfloat16, the GPU's default dtype. In float32, XLA:GPU's layout assignment stores the q/k/v projection
+# weights [D, N, H] transposed to [N, H, D] on every call (seen on an H100 at eb00618 and since, also with the
+# projection written as a 2-D [D, N*H] matmul): a known gap, held by the strict xfail below.
 @pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, pytest.param(jnp.float32, marks=pytest.mark.xfail(
+    strict=True, reason="XLA:GPU transposes float32 q/k/v weights every call"))])
 @pytest.mark.parametrize("name", FAMILIES)
-def test_decode_loop_copies_no_weight_or_cache_on_gpu(name: str) -> None:
+def test_decode_loop_copies_no_weight_or_cache_on_gpu(name: str, dtype) -> None:
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU (jax.default_backend() != 'gpu')")
-    _check(name, "reference")
+    _check(name, "reference", dtype)
