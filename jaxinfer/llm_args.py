@@ -136,7 +136,7 @@ LLM_ARG_RULES: tuple[FieldRule, ...] = (
        "stream one by one; larger ones run decode_steps_per_call iterations per call", as_opt_int,
        lambda v: v is None or v >= 0),
     _r("overlap_decode", True, "True or False", _bool),
-    _r("compile_threads", None, "None (half the cores) or an integer >= 1", as_opt_int, lambda v: v is None or v >= 1),
+    _r("compile_threads", None, "None (one per core) or an integer >= 1", as_opt_int, lambda v: v is None or v >= 1),
     _r("compilation_cache_dir", "auto", "'auto', None or a directory path", _opt_path),
     _r("attention_impl", "auto", "'auto', 'reference', 'xla', 'pallas_tpu' or 'pallas_gpu'", _opt_str,
        lambda v: v in ATTENTION_IMPLS),

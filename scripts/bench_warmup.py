@@ -30,7 +30,7 @@ def main() -> None:
     p.add_argument("--decode-steps-per-call", type=int, default=8)
     p.add_argument("--memory-fraction", type=float, default=0.5)
     p.add_argument("--num-pages", type=int, default=None)
-    p.add_argument("--compile-threads", type=int, default=None, help="LLM(compile_threads=...); default: half the cores")
+    p.add_argument("--compile-threads", type=int, default=None, help="LLM(compile_threads=...); default: one per core")
     p.add_argument("--cache-dir", default=None)
     p.add_argument("--out", default="warmup.json")
     args = p.parse_args()

@@ -129,7 +129,7 @@ class Engine:
         # loop's work runs while this thread waits instead of competing with it for the GIL.
         self.on_device_wait: Callable[[], None] | None = None
         self.out = OutputPath(self)
-        self.compile_threads = compile_threads  # None: half the host's cores
+        self.compile_threads = compile_threads  # None: one per core of the host
         cfg = runner.cfg
         self.vocab_size = cfg.vocab_size
         self.max_model_len = engine_cfg.max_model_len or min(cfg.max_position_embeddings, DEFAULT_MAX_MODEL_LEN)

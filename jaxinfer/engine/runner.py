@@ -461,7 +461,9 @@ class ModelRunner:
         the tracing loop, `compile_s` the compiles still running after it.
         """
         start = time.perf_counter()
-        threads = threads or max(1, (os.cpu_count() or 1) // 2)
+        # One thread per core: on a 16-core H100 host a cold start of the bench's engine took 52.6 s to its first
+        # token with 16 threads against 63-67 s with 8 (docs/PERFORMANCE.md, "Start").
+        threads = threads or max(1, os.cpu_count() or 1)
         with ThreadPoolExecutor(threads) as pool:
             pending = []
             for kind, rest, static in calls:
