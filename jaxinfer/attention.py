@@ -23,7 +23,8 @@ every device (the weights are small) and each device keeps the one KV head its q
 
 A quantized cache (int8 / fp8 KV) is a `QuantizedPages` per layer, values [P, R, K, H] and per-token
 scales [P, K, R], both split by head; the write quantizes (jaxinfer.models.common.write_kv) and the
-kernels dequantize as they read.
+kernels dequantize as they read. Queries, keys and values are rotated into the basis of `kv_rotation` first
+and the output rotated back, per device (a head's H is never split).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxinfer.config import ModelConfig
@@ -49,6 +51,28 @@ def attention_scale(cfg: ModelConfig) -> float:
     return (cfg.query_pre_attn_scalar or cfg.head_size) ** -0.5
 
 
+def kv_rotation(head_dim: int) -> np.ndarray:
+    """An orthonormal [H, H] (block-)Hadamard matrix: the basis a quantized KV cache is stored in.
+
+    Why: a quantized cache keeps one absmax scale per token and KV head, and a few outlier channels (keys
+    after RoPE have them) set that scale, so every other channel gets only a few of the 255 int8 levels.
+    Rotating keys, values and queries by the same orthonormal R leaves every score q.k and the attention
+    output's span unchanged ((qR).(kR) = q.k; sum p (vR) = (sum p v) R, undone by R^T) while spreading each
+    outlier over all channels. Sylvester's construction for a power of two; otherwise the largest power-of-two
+    block dividing H repeated on the diagonal (H = 80: 16, 96: 32), which spreads outliers within blocks."""
+    block = head_dim & -head_dim  # largest power of two dividing head_dim
+    h = np.ones((1, 1))
+    while h.shape[0] < block:
+        h = np.block([[h, h], [h, -h]])
+    return np.kron(np.eye(head_dim // block), h / np.sqrt(block)).astype(np.float32)  # [H, H]
+
+
+def _rotate(x: jax.Array, rotation: np.ndarray) -> jax.Array:
+    """x [T, heads, H] @ rotation [H, H] in float32, back in x's dtype."""
+    y = jnp.einsum("tnh,hg->tng", x.astype(jnp.float32), rotation, precision=jax.lax.Precision.HIGHEST)
+    return y.astype(x.dtype)  # [T, heads, H]
+
+
 def _write_and_attend(
     q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata,
     query_md: AttentionMetadata | None = None, *, impl: str, interpret: bool, sm_scale: float, **layer: Any,
@@ -57,12 +81,18 @@ def _write_and_attend(
 
     `query_md` describes the queries when they are a slice of the step's tokens (sequence parallelism);
     the writes always cover all of them (`md`)."""
+    rotation = None
+    if isinstance(k_pages, QuantizedPages):  # stored in a rotated basis: kv_rotation
+        rotation = kv_rotation(q.shape[-1])
+        q, k, v = _rotate(q, rotation), _rotate(k, rotation), _rotate(v, rotation)
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
     qmd = md if query_md is None else query_md
     out = ragged_paged_attention(
         q, k_pages, v_pages, qmd.kv_lens, qmd.page_indices, qmd.cu_q_lens, qmd.num_seqs,
         sm_scale=sm_scale, impl=impl, interpret=interpret, **layer,
     )
+    if rotation is not None:
+        out = _rotate(out, rotation.T)  # [Tq, N, H] back from the rotated basis
     return out, k_pages, v_pages
 
 

@@ -2,7 +2,8 @@
 
 `kv_cache_dtype` "int8" / "fp8" stores each layer's K and V as `QuantizedPages`: int8 or e4m3 values
 plus one fp32 scale per token and KV head (pallas_kernels.ragged_paged_attention.reference explains
-the choice), quantized as they are written and dequantized inside the attention kernels.
+the choice), quantized as they are written and dequantized inside the attention kernels. They hold keys
+and values in a rotated basis (jaxinfer.attention.kv_rotation), so only attention reads them as they are.
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@
 
 The float model is the GGUF dequantized (quantization="none"); each mode reads the same four held texts
 (264 positions). Issue 15 asks for >= 99% (int8 weights, fp8 KV, int8 KV) and >= 95% (int4 weights). int4
-meets it; the others do not yet on this model (measured on these texts: int8 weights 97.3%, and over all
-held texts int8 KV 98.0%, fp8 KV 96.8%: SmolLM2-135M's next-token choice is often a near tie, and its keys
-carry outlier channels that a per-token absmax spends levels on). Those modes are held here to what they
-reach today, so a regression fails CI, with the issue's target beside each; raising them is open work.
+and int8 KV meet it (int8 KV since the cache is stored in a rotated basis, jaxinfer.attention.kv_rotation:
+99.6% here, 99.2% over every held text). int8 weights (97.3%) and fp8 KV (98.1% here, 96.6% over every held
+text: e4m3 keeps 3 mantissa bits whatever the scale, which no rotation changes) do not yet on this model,
+whose next-token choice is often a near tie. Those two are held here to what they reach today, so a
+regression fails CI, with the issue's target beside each; raising them is open work.
 No warmup: only the buckets these prefills use are compiled, which keeps the module fast.
 """
 
@@ -25,8 +26,8 @@ ENGINE = dict(dtype="float32", max_model_len=256, max_num_seqs=4, max_num_batche
 MODES = {  # label -> (LLM arguments, least top-1 agreement held in CI, issue 15's target)
     "int8 weights": (dict(quantization="int8"), 0.965, 0.99),
     "int4 weights": (dict(quantization="int4"), 0.95, 0.95),
-    "fp8 KV": (dict(quantization="none", kv_cache_dtype="fp8"), 0.955, 0.99),
-    "int8 KV": (dict(quantization="none", kv_cache_dtype="int8"), 0.97, 0.99),
+    "fp8 KV": (dict(quantization="none", kv_cache_dtype="fp8"), 0.975, 0.99),
+    "int8 KV": (dict(quantization="none", kv_cache_dtype="int8"), 0.99, 0.99),
 }
 
 
