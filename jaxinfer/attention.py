@@ -167,4 +167,4 @@ def make_attention_fn(
     return _sharded(local, mesh, cfg)
 
 
-__all__ = ["AttentionFn", "attention_scale", "local_query_metadata", "make_attention_fn"]
+__all__ = ["AttentionFn", "attention_scale", "kv_rotation", "local_query_metadata", "make_attention_fn"]
