@@ -43,6 +43,25 @@ def build_runner(cfg: ModelConfig, tp: int = 1, seed: int = 0, num_pages: int = 
     return ModelRunner(family, cfg, weights, cache, mesh, rules, attention_impl=attention_impl)
 
 
+def abstract_forward_inputs(cfg: ModelConfig, tokens: int = 256, seqs: int = 8, pages: int = 128,
+                            page_size: int = 16, table_width: int = 16) -> tuple[ModelFamily, Any, Any, Any, Any]:
+    """(family, weights, token ids, metadata, cache) of a bf16 forward over `tokens` tokens of `seqs` sequences,
+    as shapes only: tracing a full-size preset allocates nothing."""
+    from jaxinfer.kv_cache import KVCache
+    from jaxinfer.models import family_for_config
+    from jaxinfer.models.common import AttentionMetadata
+    from jaxinfer.params import abstract_params
+
+    family = family_for_config(cfg)
+    weights = abstract_params(family.param_specs(cfg, jnp.bfloat16))
+    page = jax.ShapeDtypeStruct((pages, page_size, cfg.num_kv_heads, cfg.head_size), jnp.bfloat16)
+    cache = KVCache(k=(page,) * cfg.num_layers, v=(page,) * cfg.num_layers)
+    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
+    md = AttentionMetadata(positions=i32(tokens), slot_mapping=i32(tokens), cu_q_lens=i32(seqs + 1),
+                           kv_lens=i32(seqs), page_indices=i32(seqs, table_width), num_seqs=i32(1))
+    return family, weights, i32(tokens), md, cache
+
+
 def dense_reference_logits(w, cfg: ModelConfig, ids: list[int]) -> np.ndarray:
     """Plain causal transformer in float64 NumPy over one full sequence: logits [T, V]."""
     f64 = lambda a: np.asarray(a, np.float64)  # noqa: E731

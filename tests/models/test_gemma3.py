@@ -15,15 +15,13 @@ import pytest
 
 from jaxinfer.config import ConfigError, MeshConfig, ModelConfig, RopeScaling
 from jaxinfer.attention import make_attention_fn
-from jaxinfer.kv_cache import KVCache
 from jaxinfer.models import GEMMA3, family_for_gguf, family_for_hf
-from jaxinfer.models.common import AttentionMetadata
 from jaxinfer.models.gemma3 import config_from_gguf, config_from_hf, gemma3_extras
-from jaxinfer.params import abstract_params, count_params
+from jaxinfer.params import count_params
 from jaxinfer.presets import load_preset
 from jaxinfer.sharding import make_mesh, tensor_parallel_rules
 from model_helpers import build_runner as shared_build_runner
-from model_helpers import rel_err, run_chunks
+from model_helpers import abstract_forward_inputs, rel_err, run_chunks
 
 
 def tiny_config(**overrides) -> ModelConfig:
@@ -157,19 +155,14 @@ def test_sharded_equals_unsharded(tp: int) -> None:
 
 
 def _abstract_forward(cfg: ModelConfig, tokens: int = 256, seqs: int = 8, pages: int = 128, page_size: int = 16):
-    weights = abstract_params(GEMMA3.param_specs(cfg, jnp.bfloat16))
-    page = jax.ShapeDtypeStruct((pages, page_size, cfg.num_kv_heads, cfg.head_size), jnp.bfloat16)
-    cache = KVCache(k=(page,) * cfg.num_layers, v=(page,) * cfg.num_layers)
-    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-    md = AttentionMetadata(positions=i32(tokens), slot_mapping=i32(tokens), cu_q_lens=i32(seqs + 1),
-                           kv_lens=i32(seqs), page_indices=i32(seqs, 16), num_seqs=i32(1))
+    _, weights, token_ids, md, cache = abstract_forward_inputs(cfg, tokens, seqs, pages, page_size)
     attn = make_attention_fn(cfg, "reference", False)
 
     def step(w, t, m, c):
         hidden, c = GEMMA3.forward(w, cfg, t, m, c, attn)
         return GEMMA3.compute_logits(w, cfg, hidden[:seqs]), c
 
-    return jax.eval_shape(step, weights, i32(tokens), md, cache)
+    return jax.eval_shape(step, weights, token_ids, md, cache)
 
 
 # Text-decoder parameter counts of the published checkpoints (4B/12B/27B without the vision tower).

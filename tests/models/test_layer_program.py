@@ -7,26 +7,11 @@ from __future__ import annotations
 import re
 
 import jax
-import jax.numpy as jnp
 import pytest
 
 from jaxinfer.attention import make_attention_fn
-from jaxinfer.kv_cache import KVCache
-from jaxinfer.models import family_for_config
-from jaxinfer.models.common import AttentionMetadata
-from jaxinfer.params import abstract_params
 from jaxinfer.presets import load_preset
-
-
-def _abstract_inputs(cfg, tokens: int = 8, seqs: int = 2, pages: int = 16, page_size: int = 16):
-    family = family_for_config(cfg)
-    weights = abstract_params(family.param_specs(cfg, jnp.bfloat16))
-    page = jax.ShapeDtypeStruct((pages, page_size, cfg.num_kv_heads, cfg.head_size), jnp.bfloat16)
-    cache = KVCache(k=(page,) * cfg.num_layers, v=(page,) * cfg.num_layers)
-    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-    md = AttentionMetadata(positions=i32(tokens), slot_mapping=i32(tokens), cu_q_lens=i32(seqs + 1),
-                           kv_lens=i32(seqs), page_indices=i32(seqs, 4), num_seqs=i32(1))
-    return family, weights, i32(tokens), md, cache
+from model_helpers import abstract_forward_inputs
 
 
 # preset -> kinds of layer: Gemma 3 alternates local (sliding-window) and global layers; every other
@@ -35,7 +20,7 @@ def _abstract_inputs(cfg, tokens: int = 8, seqs: int = 2, pages: int = 16, page_
                                          ("mixtral-8x7b", 1), ("qwen3-8b", 1)])
 def test_each_kind_of_layer_traces_once(name: str, kinds: int) -> None:
     cfg = load_preset(name)
-    family, weights, tokens, md, cache = _abstract_inputs(cfg)
+    family, weights, tokens, md, cache = abstract_forward_inputs(cfg, tokens=8, seqs=2, pages=16, table_width=4)
     attention = make_attention_fn(cfg, "reference", False)
     calls = []
 

@@ -10,13 +10,10 @@ import pytest
 
 from jaxinfer.config import ConfigError, ModelConfig, RopeScaling
 from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
-from jaxinfer.kv_cache import KVCache
 from jaxinfer.models import LLAMA
-from jaxinfer.models.common import AttentionMetadata
-from jaxinfer.params import abstract_params
 from jaxinfer.presets import load_preset
 from jaxinfer.sharding import tensor_parallel_rules
-from model_helpers import build_runner, dense_reference_logits, rel_err, run_chunks, tiny_config
+from model_helpers import abstract_forward_inputs, build_runner, dense_reference_logits, rel_err, run_chunks, tiny_config
 
 
 @pytest.mark.parametrize(
@@ -87,17 +84,11 @@ def test_tensor_parallel_must_divide_query_heads() -> None:
 
 
 def _abstract_forward(cfg: ModelConfig, tokens: int = 256, seqs: int = 8, pages: int = 128, page_size: int = 16):
-    specs = LLAMA.param_specs(cfg, jnp.bfloat16)
-    weights = abstract_params(specs)
-    page = jax.ShapeDtypeStruct((pages, page_size, cfg.num_kv_heads, cfg.head_size), jnp.bfloat16)
-    cache = KVCache(k=(page,) * cfg.num_layers, v=(page,) * cfg.num_layers)
-    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-    md = AttentionMetadata(positions=i32(tokens), slot_mapping=i32(tokens), cu_q_lens=i32(seqs + 1),
-                           kv_lens=i32(seqs), page_indices=i32(seqs, 16), num_seqs=i32(1))
     from jaxinfer.attention import make_attention_fn
 
+    _, weights, token_ids, md, cache = abstract_forward_inputs(cfg, tokens, seqs, pages, page_size)
     attn = make_attention_fn(cfg, "reference", False)
-    return jax.eval_shape(lambda w, t, m, c: LLAMA.forward(w, cfg, t, m, c, attn), weights, i32(tokens), md, cache)
+    return jax.eval_shape(lambda w, t, m, c: LLAMA.forward(w, cfg, t, m, c, attn), weights, token_ids, md, cache)
 
 
 @pytest.mark.parametrize("name, params_b", [("llama-3-8b", 8.03), ("llama-3-70b", 70.55), ("llama-3.1-8b", 8.03),

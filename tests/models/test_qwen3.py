@@ -10,14 +10,12 @@ import pytest
 from jaxinfer.attention import make_attention_fn
 from jaxinfer.config import ConfigError, ModelConfig
 from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
-from jaxinfer.kv_cache import KVCache
 from jaxinfer.models import LLAMA, QWEN3, QWEN3_MOE, ModelFamily, family_for_config, family_for_gguf, family_for_hf
-from jaxinfer.models.common import AttentionMetadata
 from jaxinfer.models.qwen3 import config_from_hf, is_moe_layer, moe_config_from_gguf, moe_config_from_hf
 from jaxinfer.params import abstract_params, count_params
 from jaxinfer.presets import load_preset
 from model_helpers import build_runner as shared_build_runner
-from model_helpers import rel_err, run_chunks
+from model_helpers import abstract_forward_inputs, rel_err, run_chunks
 from moe_reference import reference_logits
 
 SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
@@ -118,15 +116,9 @@ def test_layer_plan_follows_step_and_mlp_only_layers() -> None:
 
 
 def _abstract_forward(cfg: ModelConfig, tokens: int = 256, seqs: int = 8, pages: int = 64, page_size: int = 16):
-    family = family_for_config(cfg)
-    weights = abstract_params(family.param_specs(cfg, jnp.bfloat16))
-    page = jax.ShapeDtypeStruct((pages, page_size, cfg.num_kv_heads, cfg.head_size), jnp.bfloat16)
-    cache = KVCache(k=(page,) * cfg.num_layers, v=(page,) * cfg.num_layers)
-    i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)  # noqa: E731
-    md = AttentionMetadata(positions=i32(tokens), slot_mapping=i32(tokens), cu_q_lens=i32(seqs + 1),
-                           kv_lens=i32(seqs), page_indices=i32(seqs, 16), num_seqs=i32(1))
+    family, weights, token_ids, md, cache = abstract_forward_inputs(cfg, tokens, seqs, pages, page_size)
     attn = make_attention_fn(cfg, "reference", False)
-    return jax.eval_shape(lambda w, t, m, c: family.forward(w, cfg, t, m, c, attn), weights, i32(tokens), md, cache)
+    return jax.eval_shape(lambda w, t, m, c: family.forward(w, cfg, t, m, c, attn), weights, token_ids, md, cache)
 
 
 @pytest.mark.parametrize("name, params_b", [("qwen3-8b", 8.19), ("qwen3-30b-a3b", 30.53), ("qwen3-235b-a22b", 235.09)])
