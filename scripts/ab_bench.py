@@ -4,7 +4,7 @@ change is judged against a baseline measured on the same machine minutes apart (
     python3 scripts/ab_bench.py --trees .ab_old . --repeats 2 --out $OUT/ab.jsonl -- \
         --hf skip --memory-fraction 0.85 --sections decode decode_device --decode-batches 1
 
-Each run is its own process with PYTHONPATH set to its tree. A line keeps the tree, its order, the warmup and
+Each run is its own process, started inside its tree with PYTHONPATH set to it. A line keeps the tree, its order, the warmup and
 the bench's measured sections (the keys of --keys); a failed run keeps the tail of its log instead.
 """
 
@@ -25,8 +25,10 @@ def run_once(tree: str, bench_args: list[str], keys: tuple[str, ...], order: int
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "bench.json"
         env = {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+        # Run from inside the tree: `python -m` puts the working directory first on sys.path, ahead of
+        # PYTHONPATH, so run from elsewhere every "tree" would import the working directory's jaxinfer.
         proc = subprocess.run([sys.executable, "-m", "jaxinfer.cli", "bench", *bench_args, "--plot", "none",
-                               "--out", str(out)], env=env, capture_output=True, text=True)
+                               "--out", str(out)], env=env, cwd=tree, capture_output=True, text=True)
         record = {"tree": tree, "order": order}
         if proc.returncode != 0 or not out.exists():
             return {**record, "error": f"exit {proc.returncode}: {(proc.stdout + proc.stderr)[-1500:]}"}

@@ -55,8 +55,9 @@ def layer_program(body: Callable[..., Any], **bound: Any) -> Callable[..., Any]:
     made every program trace and lower its layer once per layer: 32 times for Llama-3-8B, and warmup
     traces one program per bucket (~1.6 s each on a GPU host). Calls with the same argument shapes hit
     jax.jit's trace cache, and the lowering emits one function that every call site shares, so a forward
-    traces each kind of layer once. XLA inlines the calls before optimizing, so the compiled program, its
-    fusions and the in-place cache updates are those of the unrolled loop (tests/models/test_layer_program.py).
+    traces each kind of layer once (tests/models/test_layer_program.py). XLA inlines the calls before it
+    optimizes, so the fusions and in-place cache updates are those of the unrolled loop
+    (tests/engine/test_no_copies.py holds the updates in place).
     Make one per forward: the bound callables are not hashable, and a fresh jit keeps nothing alive."""
     return jax.jit(functools.partial(body, **bound))
 
