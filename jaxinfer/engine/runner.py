@@ -464,15 +464,17 @@ class ModelRunner:
         # One thread per core: on a 16-core H100 host a cold start of the bench's engine took 52.6 s to its first
         # token with 16 threads against 63-67 s with 8 (docs/PERFORMANCE.md, "Start").
         threads = threads or max(1, os.cpu_count() or 1)
-        with ThreadPoolExecutor(threads) as pool:
+        with ThreadPoolExecutor(threads) as pool, ThreadPoolExecutor(1) as placer:
             pending = []
             for kind, rest, static in calls:
                 # Lowered for the host inputs as `place` puts them at run time: left to the compiler, an input
                 # used under a shard_map (the structured-output bitmask) would be compiled for a split layout
                 # that the replicated arguments of a real step then fail to match. Placing them for real also
-                # compiles the transfers' unpacking programs (dozens of small compiles on a cold start), so that
-                # runs on the pool too.
-                pending.append((None, pool.submit(self.place, tuple(rest))))
+                # compiles and runs the transfers' unpacking programs (dozens of small compiles on a cold start),
+                # so that runs beside the tracing too, on one thread in call order: with several processes every
+                # process must run the same programs in the same order (a pool's order made gloo's collectives
+                # mismatch in tests/distributed/test_multihost.py).
+                pending.append((None, placer.submit(self.place, tuple(rest))))
                 args = (self.weights, self.kv_cache)[: self._own_args.get(kind, 2)] + self.transfer.abstract(rest)
                 key = self._key(kind, args, static)
                 if key in self._executables or key in dict(pending):  # (None: a placement)
