@@ -464,16 +464,18 @@ class ModelRunner:
         # One thread per core: on a 16-core H100 host a cold start of the bench's engine took 52.6 s to its first
         # token with 16 threads against 63-67 s with 8 (docs/PERFORMANCE.md, "Start").
         threads = threads or max(1, os.cpu_count() or 1)
-        with ThreadPoolExecutor(threads) as pool, ThreadPoolExecutor(1) as placer:
+        with ThreadPoolExecutor(threads) as pool, ThreadPoolExecutor(1) as in_order:
+            # Placing for real (below) runs programs. With several processes each must run the same programs in
+            # the same order, so there the placements keep to one thread in call order (on the pool, gloo's
+            # collectives mismatched in tests/distributed/test_multihost.py); one process may use the pool.
+            placer = pool if jax.process_count() == 1 else in_order
             pending = []
             for kind, rest, static in calls:
                 # Lowered for the host inputs as `place` puts them at run time: left to the compiler, an input
                 # used under a shard_map (the structured-output bitmask) would be compiled for a split layout
                 # that the replicated arguments of a real step then fail to match. Placing them for real also
-                # compiles and runs the transfers' unpacking programs (dozens of small compiles on a cold start),
-                # so that runs beside the tracing too, on one thread in call order: with several processes every
-                # process must run the same programs in the same order (a pool's order made gloo's collectives
-                # mismatch in tests/distributed/test_multihost.py).
+                # compiles the transfers' unpacking programs (dozens of small compiles on a cold start), so that
+                # runs beside the tracing.
                 pending.append((None, placer.submit(self.place, tuple(rest))))
                 args = (self.weights, self.kv_cache)[: self._own_args.get(kind, 2)] + self.transfer.abstract(rest)
                 key = self._key(kind, args, static)
