@@ -18,8 +18,9 @@ class ModelFamily:
 
     name: str
     param_specs: Callable[..., Any]  # (cfg, dtype) -> weights pytree of ParamSpec
-    # (weights, cfg, token_ids, md, kv_cache, attn_fn) -> (hidden, kv_cache); the MoE families (qwen3_moe,
-    # mixtral) also take `moe_fn=` (default jaxinfer.models.moe.moe_block) to swap the expert computation.
+    # (weights, cfg, token_ids, md, kv_cache, attn_fn) -> (hidden, kv_cache); the MoE families' forwards (qwen3,
+    # dense Qwen3 included, and mixtral) also take `moe_fn=` (default jaxinfer.models.moe.moe_block) to swap the
+    # expert computation, and return (hidden, kv_cache, tokens routed to each expert [E]).
     forward: Callable[..., Any]
     compute_logits: Callable[..., Any]  # (weights, cfg, hidden [S, D]) -> [S, V] float32
     checkpoint_rules: Callable[[], list[TensorRule]]
