@@ -469,7 +469,7 @@ class ModelRunner:
             # the same order, so there the placements keep to one thread in call order (on the pool, gloo's
             # collectives mismatched in tests/distributed/test_multihost.py); one process may use the pool.
             placer = pool if jax.process_count() == 1 else in_order
-            pending = []
+            pending, lowered_keys = [], set()
             for kind, rest, static in calls:
                 # Lowered for the host inputs as `place` puts them at run time: left to the compiler, an input
                 # used under a shard_map (the structured-output bitmask) would be compiled for a split layout
@@ -479,18 +479,19 @@ class ModelRunner:
                 pending.append((None, placer.submit(self.place, tuple(rest))))
                 args = (self.weights, self.kv_cache)[: self._own_args.get(kind, 2)] + self.transfer.abstract(rest)
                 key = self._key(kind, args, static)
-                if key in self._executables or key in dict(pending):  # (None: a placement)
+                if key in self._executables or key in lowered_keys:
                     continue
                 lowered = [(key, self._jitted(kind).lower(*args, **static))]
                 if kind == "forward":  # and the prompt-logprob program over its hidden states
                     lowered.extend(self._lower_prompt(lowered[0][1].out_info[1].hidden))
+                lowered_keys.update(k for k, _ in lowered)
                 pending.extend((k, pool.submit(low.compile)) for k, low in lowered)
             traced = time.perf_counter()
             done = [(key, future.result()) for key, future in pending]  # a placement's error surfaces here too
-            self._executables.update((key, exe) for key, exe in done if key is not None)
-        if programs := sum(key is not None for key, _ in pending):
-            self.precompile_times = {"executables": programs, "threads": threads, "trace_s": traced - start,
-                                     "compile_s": time.perf_counter() - traced}
+            self._executables.update((key, exe) for key, exe in done if key is not None)  # None: a placement
+        if lowered_keys:
+            self.precompile_times = {"executables": len(lowered_keys), "threads": threads,
+                                     "trace_s": traced - start, "compile_s": time.perf_counter() - traced}
 
     def _lower_prompt(self, hidden: jax.ShapeDtypeStruct) -> list[tuple[tuple[Any, ...], Any]]:
         """The prompt-logprob program lowered for a forward's hidden states [T, D], unless compiled already."""
