@@ -17,10 +17,18 @@ it measured, and a second call with `--sections ... --out` of the same file adds
             quantization="int4" stores it; and groups of 128): int8's % of copy bandwidth and int4's tokens/s
             over int8's; fp8 W8A8 against bf16 at M = 256, 1024, 4096 on
             4096 x 14336 (each against the same bf16 product and against the 8192^3 rate);
+  tilings_m1, tilings_fp8   (not in the default set) the same kernels under alternative tilings, device time from a profiler
+            trace: the weight-only kernel at M = 1 over K step x pipeline depth x split-K for int8 and int4,
+            and fp8 W8A8 at M = 256 / 1024 / 4096 for the Pallas rows kernel's tilings and XLA's own fp8
+            dot (cuBLASLt), each beside the bf16 product; the table the defaults were chosen from;
+  m_scale   (not in the default set) int8 / int4 weight-only from 16 rows to 8,192: the Pallas kernel against
+            dequantize-then-dot and the bf16 dot (where quantized_matmul switches to dequantize + dot);
   decode    engine decode at batch 1 (ctx 512, 128 steps) for bf16, int8, int4 (groups of 32) and int4:128
             weights: step time and the speedup over bf16;
   offline   1000/1000 (512 prompts) with int8 weights + fp8 KV, and 128/128 (2048 prompts) with fp8 weights
-            (+ fp8 KV): output tok/s, and any kernel that fell back to the jnp reference (`fallbacks`).
+            (+ fp8 KV): output tok/s, and any kernel that fell back to the jnp reference (`fallbacks`); beside
+            them the same workloads in bf16 and with bf16 KV. `--only` picks runs (decode formats, offline keys).
+Every engine run (decode formats, offline runs) is a process of its own (`in_child`).
 Acceptance (issue 15): decode_b1_int8_speedup >= 1.8, decode_b1_int4_speedup >= 2.8,
 offline_1000_int8w_fp8kv_tok_s >= 16000, offline_128_fp8_tok_s >= 30000, int8_m1_pct_of_copy_bw >= 80,
 int4_over_int8_m1_tok_s >= 1.6, fp8_over_bf16_matmul_rate >= 1.6.
@@ -31,6 +39,7 @@ int4_over_int8_m1_tok_s >= 1.6, fp8_over_bf16_matmul_rate >= 1.6.
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import time
@@ -46,18 +55,18 @@ import jax.numpy as jnp
 from jaxinfer.bench.measure import copy_bandwidth, matmul_rate, median_time, offline_throughput
 from jaxinfer.bench.workloads import fixed
 
-SECTIONS = ("ceilings", "kernels", "decode", "offline")
+SECTIONS = ("ceilings", "kernels", "tilings_m1", "tilings_fp8", "m_scale", "decode", "offline")
 
 
 def sizes(smoke: bool) -> dict[str, Any]:
     """Every size the sections use: the real ones, or tiny ones for --smoke on CPU."""
     if smoke:
-        return dict(model="smollm2-135m", int4_wide="int4:64", layers=2, d=256, qkv=384, f=512, fp8_k=256, fp8_n=512, fp8_m=(256,),
+        return dict(model="smollm2-135m", int4_wide="int4:64", layers=2, d=256, qkv=384, f=512, fp8_k=256, fp8_n=512, fp8_m=(256,), scale_m=(8, 64),
                     bw_gib=0.05, matmul_n=256, ctx=32, steps=8, offline_1000=(32, 32, 4), offline_128=(16, 16, 4),
                     engine=dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=128, num_pages=64,
                                 warmup=False))  # CPU: compile only the buckets used
     return dict(model="llama-3-8b", int4_wide="int4:128", layers=32, d=4096, qkv=6144, f=14336, fp8_k=4096, fp8_n=14336,
-                fp8_m=(256, 1024, 4096), bw_gib=4.0, matmul_n=8192, ctx=512, steps=128,
+                fp8_m=(256, 1024, 4096), scale_m=(16, 64, 128, 256, 512, 2048, 8192), bw_gib=4.0, matmul_n=8192, ctx=512, steps=128,
                 offline_1000=(1000, 1000, 512), offline_128=(128, 128, 2048),
                 engine=dict(max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192,
                             gpu_memory_utilization=0.9))
@@ -126,18 +135,19 @@ def m1_kernels(s: dict[str, Any], copy_bw: float) -> dict[str, Any]:
 
 
 def fp8_kernels(s: dict[str, Any], bf16_rate: float) -> dict[str, Any]:
-    """fp8 W8A8 [M, K] x [K, N] against the bf16 product of the same shape and the bf16 ceiling rate."""
+    """fp8 W8A8 [M, K] x [K, N] against the bf16 product of the same shape and the bf16 ceiling rate, in device
+    time (at M = 256 a product takes tens of microseconds, the order of a host dispatch)."""
     from pallas_kernels.quantized_matmul import quantize_weights, quantized_matmul
 
     k, n = s["fp8_k"], s["fp8_n"]
-    w = jax.random.normal(jax.random.key(5), (k, n), jnp.bfloat16) * 0.02
-    wq = quantize_weights(w, fp8=True, w8a8=True)
+    ws = [jax.random.normal(jax.random.key(5 + i), (k, n), jnp.bfloat16) * 0.02 for i in range(3)]
+    wqs = [quantize_weights(w, fp8=True, w8a8=True) for w in ws]
     fp8, bf16 = jax.jit(lambda x, w: quantized_matmul(x, w)), jax.jit(lambda x, w: x @ w)
     out = {}
     for m in s["fp8_m"]:
-        x = jax.random.normal(jax.random.key(m), (m, k), jnp.bfloat16)
+        xs = [jax.random.normal(jax.random.key(m + i), (m, k), jnp.bfloat16) for i in range(3)]
         flops = 2 * m * k * n
-        t_fp8, t_bf16 = median_time(lambda: fp8(x, wq)), median_time(lambda: bf16(x, w))
+        t_fp8, t_bf16 = _device_seconds(fp8, list(zip(xs, wqs))), _device_seconds(bf16, list(zip(xs, ws)))
         out[str(m)] = {"fp8_tflops": flops / t_fp8 / 1e12, "bf16_tflops": flops / t_bf16 / 1e12,
                        "over_same_bf16": t_bf16 / t_fp8, "over_bf16_ceiling": flops / t_fp8 / bf16_rate}
     return out
@@ -153,6 +163,142 @@ def kernels(s: dict[str, Any], ceil: dict[str, Any]) -> dict[str, Any]:
             "fp8_over_bf16_matmul_rate": min(r["over_bf16_ceiling"] for r in fp8.values())}
 
 
+# ----------------------------------------------------------------------------- tilings
+
+
+def _device_seconds(fn: Callable[..., Any], arg_sets: list[tuple]) -> float:
+    """Device seconds per call (profiler trace; bench_kernels.time_fn), so short kernels are not host dispatch."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from bench_kernels import time_fn
+
+    return time_fn(fn, arg_sets)["device"]
+
+
+def _m1_tilings(s: dict[str, Any], copy_bw: float) -> list[dict[str, Any]]:
+    """The weight-only kernel at M = 1 over the shapes of one layer (qkv, o, gate, up, down; several sets so L2
+    serves nothing) for each format x K step x stages x split-K factor; XLA's dequantize-then-dot beside them."""
+    from pallas_kernels.quantized_matmul import dequantize_weights, gpu, quantize_weights
+
+    shapes = [(s["d"], s["qkv"]), (s["d"], s["d"]), (s["d"], s["f"]), (s["d"], s["f"]), (s["f"], s["d"])]
+    formats = {"int8": dict(bits=8), "int4": dict(bits=4, group_size=32, zero_point=True),
+               "int4_g128": dict(bits=4, group_size=128, zero_point=True)}
+    grid = {"int8": [(tk, st, f) for tk in (256, 512, 1024) for st in (4, 8) for f in (0.5, 1, 2)],
+            "int4": [(tk, st, f) for tk, st in ((512, 4), (1024, 4), (1024, 8), (2048, 4)) for f in (0.5, 1)]}
+    rows = []
+    for name, fmt in formats.items():
+        sets = [[quantize_weights(jax.random.normal(jax.random.key(17 * r + i), (k, n), jnp.bfloat16) * 0.02, **fmt)
+                 for i, (k, n) in enumerate(shapes)] for r in range(3)]
+        weight_bytes = nbytes(sets[0])
+        x = {k: jnp.full((1, k), 0.01, jnp.bfloat16) for k, _ in shapes}
+
+        def layer(ws, tile_k, stages, factor):
+            return [gpu.quantized_matmul(x[w.in_features], w, tile_k=tile_k, stages=stages,
+                                         k_splits=_splits(w, tile_k, stages, factor)) for w in ws]
+
+        for tile_k, stages, factor in grid["int8" if name == "int8" else "int4"]:
+            label = dict(format=name, tile_k=tile_k, stages=stages, split_factor=factor)
+            fn = jax.jit(functools.partial(layer, tile_k=tile_k, stages=stages, factor=factor))
+            try:
+                t = _device_seconds(fn, [(ws,) for ws in sets])
+                rows.append({**label, "us": t * 1e6, "pct_of_copy_bw": 100 * weight_bytes / t / copy_bw})
+            except Exception as e:  # noqa: BLE001 - a tiling that does not lower is a row, not the end
+                rows.append({**label, "error": f"{type(e).__name__}: {str(e)[:200]}"})
+            print(json.dumps(rows[-1]), flush=True)
+        xla = jax.jit(lambda ws: [(x[w.in_features] @ dequantize_weights(w).astype(jnp.bfloat16)) for w in ws])
+        t = _device_seconds(xla, [(ws,) for ws in sets])
+        rows.append(dict(format=name, tiling="XLA dequantize + dot", us=t * 1e6,
+                         pct_of_copy_bw=100 * weight_bytes / t / copy_bw))
+        print(json.dumps(rows[-1]), flush=True)
+        del sets
+        gc.collect()
+    return rows
+
+
+def _splits(w: Any, tile_k: int, stages: int, factor: float) -> int | None:
+    """The default split-K count of `w` at this K step, times `factor`; None (the default) where that does not
+    divide the K steps."""
+    from pallas_kernels.quantized_matmul import gpu
+
+    k_steps = w.padded_in_features // gpu.plan(w, 1, tile_k, stages).tile_k
+    splits = int(gpu.default_k_splits(w.out_features // 64, k_steps) * factor)
+    return splits if splits >= 1 and k_steps % splits == 0 else None
+
+
+def _fp8_tilings(s: dict[str, Any], bf16_rate: float) -> list[dict[str, Any]]:
+    """fp8 W8A8 [M, K] x [K, N]: the Pallas rows kernel's tilings and XLA's fp8 dot (both with the per-row
+    activation quantization), beside XLA's bf16 product; device time, TFLOP/s and the ratio to the bf16 rate."""
+    from pallas_kernels.quantized_matmul import gpu_fp8, quantize_rows, quantize_weights
+
+    k, n = s["fp8_k"], s["fp8_n"]
+    ws = [jax.random.normal(jax.random.key(5 + i), (k, n), jnp.bfloat16) * 0.02 for i in range(3)]
+    wqs = [quantize_weights(w, fp8=True, w8a8=True) for w in ws]
+    tilings = {f"pallas rows n{tn} k{tk} s{st}": gpu_fp8.RowsTiling(tn, tk, st)
+               for tn in (128, 256) for tk in (64, 128) for st in (3, 4, 5)
+               if gpu_fp8.rows_smem_bytes(gpu_fp8.RowsTiling(tn, tk, st)) <= gpu_fp8._SMEM_BUDGET}
+
+    def pallas(x, wq, tiling):
+        xq, sx = quantize_rows(x)
+        return gpu_fp8._run_rows(xq, wq.values, sx, wq.scales[0].astype(jnp.float32), x.dtype, False, tiling)
+
+    def xla_fp8(x, wq):
+        xq, sx = quantize_rows(x)
+        y = jax.lax.dot_general(xq, wq.values, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return (y * sx[:, None] * wq.scales[0].astype(jnp.float32)[None, :]).astype(x.dtype)  # [M, N]
+
+    rows = []
+    for m in s["fp8_m"]:
+        xs = [jax.random.normal(jax.random.key(m + i), (m, k), jnp.bfloat16) for i in range(3)]
+        flops = 2 * m * k * n
+        cands = {"XLA bf16 dot": (jax.jit(lambda x, w: x @ w), list(zip(xs, ws))),
+                 "XLA fp8 dot (cuBLASLt)": (jax.jit(xla_fp8), list(zip(xs, wqs)))}
+        cands.update({name: (jax.jit(functools.partial(pallas, tiling=t)), list(zip(xs, wqs)))
+                      for name, t in tilings.items()})
+        for name, (fn, args) in cands.items():
+            try:
+                t = _device_seconds(fn, args)
+                rows.append(dict(m=m, kernel=name, us=t * 1e6, tflops=flops / t / 1e12,
+                                 over_bf16_rate=flops / t / bf16_rate))
+            except Exception as e:  # noqa: BLE001 - a tiling that does not lower is a row, not the end
+                rows.append(dict(m=m, kernel=name, error=f"{type(e).__name__}: {str(e)[:200]}"))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+
+
+def _m_scale(s: dict[str, Any], bf16_rate: float) -> list[dict[str, Any]]:
+    """Weight-only formats over M (decode rows to prefill chunks) on one layer's shapes: the Pallas kernel, the
+    weights dequantized to bf16 by XLA then XLA's dot, and the bf16 weights' dot; device time. Where the
+    kernel's time crosses the dequantize + dot line is the M from which quantized_matmul takes the latter."""
+    from pallas_kernels.quantized_matmul import dequantize_weights, gpu, quantize_weights
+
+    shapes = [(s["d"], s["qkv"]), (s["d"], s["d"]), (s["d"], s["f"]), (s["d"], s["f"]), (s["f"], s["d"])]
+    formats = {"int8": dict(bits=8), "int4": dict(bits=4, group_size=32, zero_point=True),
+               "int4_g128": dict(bits=4, group_size=128, zero_point=True)}
+    floats = [[jax.random.normal(jax.random.key(31 * r + i), (k, n), jnp.bfloat16) * 0.02
+               for i, (k, n) in enumerate(shapes)] for r in range(2)]
+    quantized = {name: [[quantize_weights(w, **fmt) for w in ws] for ws in floats] for name, fmt in formats.items()}
+    flops_per_row = 2 * sum(k * n for k, n in shapes)
+    paths = {"bf16 dot": lambda xs, ws: [x @ w for x, w in zip(xs, ws)],
+             "pallas": lambda xs, ws: [gpu.quantized_matmul(x, w) for x, w in zip(xs, ws)],
+             "dequantize + dot": lambda xs, ws: [x @ dequantize_weights(w).astype(x.dtype) for x, w in zip(xs, ws)]}
+    rows = []
+    for m in s["scale_m"]:
+        xs = [[jax.random.normal(jax.random.key(m + r), (m, k), jnp.bfloat16) for k, _ in shapes] for r in range(2)]
+        runs = [("bf16", "bf16 dot", floats)] + [(f, p, quantized[f]) for f in formats for p in ("pallas", "dequantize + dot")]
+        for fmt, path, weights in runs:
+            try:
+                t = _device_seconds(jax.jit(paths[path]), list(zip(xs, weights)))
+                rows.append(dict(m=m, format=fmt, path=path, us=t * 1e6,
+                                 over_bf16_rate=m * flops_per_row / t / bf16_rate))
+            except Exception as e:  # noqa: BLE001 - one failing cell is a row, not the end
+                rows.append(dict(m=m, format=fmt, path=path, error=f"{type(e).__name__}: {str(e)[:200]}"))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 # ----------------------------------------------------------------------------- engine
 
 
@@ -163,48 +309,80 @@ def build(s: dict[str, Any], smoke: bool, **kwargs: Any) -> Any:
     return LLM(s["model"], random_weights=True, dtype=dtype, use_tqdm=False, **s["engine"], **kwargs)
 
 
-def free(llm: Any) -> None:
-    """Drop an engine's device arrays before the next one is built (each holds an 8B model and a cache)."""
-    del llm
-    gc.collect()
-    jax.clear_caches()
+def in_child(section: str, name: str, smoke: bool) -> dict[str, Any]:
+    """`--child SECTION:NAME` in a process of its own; its last stdout line is the JSON row. Why a process each:
+    an 8B engine and its cache leave the next engine no memory, and dropping them inside one process did not
+    give it back (the 11-24 decode section failed that way)."""
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, __file__, "--child", f"{section}:{name}"] + (["--smoke"] if smoke else [])
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    row = json.loads(lines[-1]) if done.returncode == 0 and lines else {
+        "error": f"exit {done.returncode}: {done.stderr[-1500:]}"}
+    print(section, name, json.dumps(row), flush=True)
+    return row
 
 
-def decode_b1(s: dict[str, Any], smoke: bool) -> dict[str, Any]:
+def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
+    """The kernels that ran on the jnp reference instead (each says so in a warning)."""
+    return sorted({str(w.message) for w in caught if "reference" in str(w.message)})
+
+
+def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
+    """Engine decode at batch 1 for one weight format."""
     from jaxinfer.bench.limits import ModelCost
     from jaxinfer.bench.measure import decode_mbu
 
-    rows = {}
-    for name in ("bf16", "int8", "int4", s["int4_wide"]):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            llm = build(s, smoke, quantization=None if name == "bf16" else name)
-            cost = ModelCost.of(llm.model_config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        # warmup=False compiles only the programs batch-1 decode meets, lazily: a first pass compiles them (its
+        # time is not the step's), the second is timed.
+        llm = build(s, smoke, quantization=None if name == "bf16" else name, warmup=False)
+        cost = ModelCost.of(llm.model_config)
+        for _ in range(2):
             r = decode_mbu(llm, cost, batch=1, ctx=s["ctx"], steps=s["steps"], copy_bw=1.0)
-        rows[name] = {"step_ms": r["step_ms"], "tok_s": r["tok_s"], "weight_bytes": llm.engine_stats()["weight_bytes"],
-                      "fallbacks": sorted({str(w.message) for w in caught if "reference" in str(w.message)})}
-        free(llm)
-    return {"by_format": rows,
-            "decode_b1_int8_speedup": rows["bf16"]["step_ms"] / rows["int8"]["step_ms"],
-            "decode_b1_int4_speedup": rows["bf16"]["step_ms"] / rows["int4"]["step_ms"],
-            "decode_b1_int4g128_speedup": rows["bf16"]["step_ms"] / rows[s["int4_wide"]]["step_ms"]}
+    return {"step_ms": r["step_ms"], "tok_s": r["tok_s"], "weight_bytes": llm.engine_stats()["weight_bytes"],
+            "fallbacks": _fallbacks(caught)}
 
 
-def offline(s: dict[str, Any], smoke: bool) -> dict[str, Any]:
-    out = {}
-    runs = {"offline_1000_int8w_fp8kv": (s["offline_1000"], dict(quantization="int8", kv_cache_dtype="fp8")),
-            "offline_128_fp8": (s["offline_128"], dict(quantization="fp8", kv_cache_dtype="fp8"))}
-    for key, ((inp, outp, n), kwargs) in runs.items():
-        with warnings.catch_warnings(record=True) as caught:  # a kernel that falls back to the reference says so
-            warnings.simplefilter("always")
-            llm = build(s, smoke, **kwargs)
-            offline_throughput(llm, fixed(inp, outp, min(n, 8)), seed=1)  # compile every bucket the run meets
-            r = offline_throughput(llm, fixed(inp, outp, n))
-        out[key] = {**kwargs, "num_prompts": n, "output_tok_s": r["output_tok_s"], "total_tok_s": r["total_tok_s"],
-                    "elapsed_s": r["elapsed_s"], "kv_cache_bytes": llm.engine_stats()["kv_cache_bytes"],
-                    "fallbacks": sorted({str(w.message) for w in caught if "reference" in str(w.message)})}
-        out[f"{key}_tok_s"] = r["output_tok_s"]
-        free(llm)
+def decode_b1(s: dict[str, Any], smoke: bool, only: set[str] | None) -> dict[str, Any]:
+    names = [n for n in ("bf16", "int8", "int4", s["int4_wide"]) if not only or n in only]
+    rows = {name: in_child("decode", name, smoke) for name in names}
+    ok = {k: v for k, v in rows.items() if "step_ms" in v}
+    speedup = lambda k: ok["bf16"]["step_ms"] / ok[k]["step_ms"] if "bf16" in ok and k in ok else None
+    return {"by_format": rows, "decode_b1_int8_speedup": speedup("int8"), "decode_b1_int4_speedup": speedup("int4"),
+            "decode_b1_int4g128_speedup": speedup(s["int4_wide"])}
+
+
+def offline_runs(s: dict[str, Any]) -> dict[str, tuple[tuple[int, int, int], dict[str, str]]]:
+    """The acceptance's two runs (`offline_1000_int8w_fp8kv`, `offline_128_fp8`) and, to read them by, the same
+    workloads in bf16 and with the weights quantized but the KV cache in bf16."""
+    big, small = s["offline_1000"], s["offline_128"]
+    return {"offline_1000_bf16": (big, {}), "offline_1000_int8w": (big, dict(quantization="int8")),
+            "offline_1000_int8w_fp8kv": (big, dict(quantization="int8", kv_cache_dtype="fp8")),
+            "offline_128_bf16": (small, {}), "offline_128_fp8w": (small, dict(quantization="fp8")),
+            "offline_128_fp8": (small, dict(quantization="fp8", kv_cache_dtype="fp8"))}
+
+
+def offline_one(s: dict[str, Any], smoke: bool, key: str) -> dict[str, Any]:
+    (inp, outp, n), kwargs = offline_runs(s)[key]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm = build(s, smoke, **kwargs)
+        offline_throughput(llm, fixed(inp, outp, min(n, 8)), seed=1)  # compile every bucket the run meets
+        r = offline_throughput(llm, fixed(inp, outp, n))
+    return {**kwargs, "num_prompts": n, "output_tok_s": r["output_tok_s"], "total_tok_s": r["total_tok_s"],
+            "elapsed_s": r["elapsed_s"], "kv_cache_bytes": llm.engine_stats()["kv_cache_bytes"],
+            "fallbacks": _fallbacks(caught)}
+
+
+def offline(s: dict[str, Any], smoke: bool, only: set[str] | None) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in [k for k in offline_runs(s) if not only or k in only]:
+        out[key] = in_child("offline", key, smoke)
+        out[f"{key}_tok_s"] = out[key].get("output_tok_s")
     return out
 
 
@@ -226,9 +404,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.out.write_text(json.dumps(result, indent=1, sort_keys=True) + "\n")
 
     steps = {"ceilings": lambda: ceilings(s), "kernels": lambda: kernels(s, result["ceilings"]),
-             "decode": lambda: decode_b1(s, args.smoke), "offline": lambda: offline(s, args.smoke)}
+             "tilings_m1": lambda: {"rows": _m1_tilings(s, result["ceilings"]["copy_bw"])},
+             "m_scale": lambda: {"rows": _m_scale(s, result["ceilings"]["bf16_matmul_rate"])},
+             "tilings_fp8": lambda: {"rows": _fp8_tilings(s, result["ceilings"]["bf16_matmul_rate"])},
+             "decode": lambda: decode_b1(s, args.smoke, args.only), "offline": lambda: offline(s, args.smoke, args.only)}
     for name in args.sections:
-        if name == "kernels" and "ceilings" not in result:
+        if name in ("kernels", "tilings_m1", "tilings_fp8", "m_scale") and "ceilings" not in result:
             result["ceilings"] = ceilings(s)
         start = time.perf_counter()
         try:
@@ -253,10 +434,19 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/quantized.json"))
-    parser.add_argument("--sections", default=",".join(SECTIONS), help="comma-separated: " + ", ".join(SECTIONS))
+    parser.add_argument("--sections", default=",".join(x for x in SECTIONS if not x.startswith("tilings") and x != "m_scale"),
+                        help="comma-separated: " + ", ".join(SECTIONS))
+    parser.add_argument("--only", type=lambda v: set(v.split(",")), default=None,
+                        help="decode / offline: only these runs (formats such as int8, or offline keys)")
+    parser.add_argument("--child", metavar="SECTION:NAME", help=argparse.SUPPRESS)  # in_child's process
     parser.add_argument("--smoke", action="store_true", help="tiny sizes, for CPU: the code path only")
     parser.add_argument("--fresh", action="store_true", help="start a new JSON instead of adding to --out")
     args = parser.parse_args(argv)
+    if args.child:  # one engine run of the decode or offline section: one JSON line
+        section, name = args.child.split(":", 1)
+        one = {"decode": decode_one, "offline": offline_one}[section]
+        print(json.dumps(one(sizes(args.smoke), args.smoke, name)), flush=True)
+        return 0
     args.sections = [x for x in args.sections.split(",") if x]
     unknown = set(args.sections) - set(SECTIONS)
     if unknown:

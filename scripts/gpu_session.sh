@@ -39,6 +39,13 @@
 #   structured_thread  the two server runs of `structured` with the engine on a thread of the server's process
 #                (`--no-engine-process`, the layout before the engine process): the same-lease baseline
 #   structured_proc  the same two server runs with the engine in its own process (`jaxinfer serve`'s default)
+#   q_tests      the gpu-marked quantized matmul tests
+#   q_tilings    scripts/bench_quantized.py's tiling sweeps (fp8 W8A8 at M >= 256, weight-only at M = 1):
+#                $OUT/quantized_tilings.json
+#   q_mscale     weight-only int8/int4 from M = 16 to 8,192: Pallas vs dequantize + dot vs bf16 ($OUT/quantized_mscale.json)
+#   q_kernels, q_decode, q_offline   bench_quantized.py's kernels / decode / offline sections, each adding to
+#                $OUT/quantized.json (issue 15's GPU figures; run q_kernels first, it measures the ceilings);
+#                Q_ONLY=a,b passes --only (decode formats, offline run keys)
 #   ab_b1        batch-1 decode (end to end and device only) of .ab_old (a git worktree, carried) and this tree,
 #                alternating twice: $OUT/ab_b1.jsonl
 #   ab_grid      issue 12's TP=1 bar: the run of record's fixed grids and decode at batch 1 through the public
@@ -144,6 +151,21 @@ print(f(llm.describe()))' ;;
     ab_grid)
       run ab_grid 590 bash -c 'for t in .ab_old .; do PYTHONPATH=$t python3 scripts/ab_prefill.py --label $t \
         --workload grid --repeats 2 | tee -a "$OUT/ab_grid.jsonl"; done' ;;
+    q_tests)
+      run q_tests 300 python3 -m pytest -q -m gpu --durations=5 tests/pallas_kernels/test_quantized_matmul.py ;;
+    q_tilings)
+      run q_tilings 500 python3 scripts/bench_quantized.py --sections ceilings,tilings_fp8,tilings_m1 \
+        --out "$OUT/quantized_tilings.json" ;;
+    q_mscale)
+      run q_mscale 400 python3 scripts/bench_quantized.py --sections ceilings,m_scale --out "$OUT/quantized_mscale.json" ;;
+    q_kernels)
+      run q_kernels 300 python3 scripts/bench_quantized.py --fresh --sections ceilings,kernels --out "$OUT/quantized.json" ;;
+    q_decode)
+      run q_decode 500 python3 scripts/bench_quantized.py --sections decode --out "$OUT/quantized.json" \
+        ${Q_ONLY:+--only "$Q_ONLY"} ;;
+    q_offline)
+      run q_offline 550 python3 scripts/bench_quantized.py --sections offline --out "$OUT/quantized.json" \
+        ${Q_ONLY:+--only "$Q_ONLY"} ;;
     ab_b1)
       run ab_b1 590 python3 scripts/ab_bench.py --trees .ab_old . --repeats 2 --out "$OUT/ab_b1.jsonl" -- \
         --hf skip --memory-fraction 0.85 --sections decode decode_device --decode-batches 1 ;;

@@ -33,8 +33,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quantized_matmul.reference import (QuantizedWeights, pad_activations,
-                                                        zero_point_term)
+from pallas_kernels.quantized_matmul.reference import (QuantizedWeights, dequantize_weights,
+                                                        pad_activations, zero_point_term)
 
 _TILE_N = 64  # wgmma M: output channels per CTA
 _TILE_K_INT4 = 512  # int4: 16 KB of weights per pipeline step; a 128-wide step was bound by its
@@ -56,6 +56,7 @@ class Plan:
     piece_k: int  # K elements of one SMEM weight block
     halves: int  # dequantized parts per block: 2 for int4 (low/high nibbles), 1 otherwise
     scale_rows: int  # scale rows one step reads (0: per channel, applied by the wrapper)
+    stages: int = _STAGES  # pipeline steps in flight
 
     @property
     def pieces(self) -> int:
@@ -83,35 +84,38 @@ def _piece_k(wq: QuantizedWeights, tile_k: int) -> int:
     return tile_k if wq.per_channel else min(wq.group_size, _MAX_PIECE)
 
 
-def smem_bytes(wq: QuantizedWeights, tile_m: int, tile_k: int, interpret: bool = False) -> int:
-    """Shared memory of one CTA: `_STAGES` x (weights + activations + scale rows) plus the output
+def smem_bytes(wq: QuantizedWeights, tile_m: int, tile_k: int, interpret: bool = False,
+               stages: int = _STAGES) -> int:
+    """Shared memory of one CTA: `stages` x (weights + activations + scale rows) plus the output
     tile (and, in interpret mode, the staging buffer)."""
     weight_bytes = _TILE_N * tile_k * wq.bits // 8
     scale_rows = 0 if wq.per_channel else max(1, tile_k // wq.group_size)
     per_stage = weight_bytes + tile_m * tile_k * 2 + max(scale_rows, 1) * _TILE_N * 4
     staging = _TILE_N * _piece_k(wq, tile_k) * 2 if interpret else 0
-    return _STAGES * per_stage + _TILE_N * tile_m * 4 + staging
+    return stages * per_stage + _TILE_N * tile_m * 4 + staging
 
 
-def step_k(wq: QuantizedWeights, tile_m: int = 8) -> int:
+def step_k(wq: QuantizedWeights, tile_m: int = 8, preferred: int | None = None, stages: int = _STAGES) -> int:
     """K per pipeline step: the preferred size, halved until it divides Kp, holds whole pieces and
     groups, and the pipeline fits in shared memory (wide activation tiles, M >= 32, take most)."""
     kp = wq.padded_in_features
     unit = wq.pack if wq.bits == 4 else (32 if wq.per_channel else min(wq.group_size, _MAX_PIECE))
-    tile_k = _TILE_K_INT4 if wq.bits == 4 else _TILE_K_8BIT
-    while tile_k > unit and (kp % tile_k or tile_k % unit or smem_bytes(wq, tile_m, tile_k) > _SMEM_BUDGET):
+    tile_k = preferred or (_TILE_K_INT4 if wq.bits == 4 else _TILE_K_8BIT)
+    while tile_k > unit and (kp % tile_k or tile_k % unit
+                             or smem_bytes(wq, tile_m, tile_k, stages=stages) > _SMEM_BUDGET):
         tile_k //= 2
     if kp % tile_k or tile_k % unit:
         raise NotImplementedError(f"GPU kernel: no K step divides Kp={kp} in whole pieces of {unit}")
     return tile_k
 
 
-def plan(wq: QuantizedWeights, m: int) -> Plan:
+def plan(wq: QuantizedWeights, m: int, tile_k: int | None = None, stages: int = _STAGES) -> Plan:
+    """The call's static shape; `tile_k` overrides the preferred K step (still fitted to Kp and SMEM)."""
     mp = -(-m // 8) * 8
     tile_m = min(mp, _MAX_TILE_M)
-    tile_k = step_k(wq, tile_m)
+    tile_k = step_k(wq, tile_m, tile_k, stages)
     scale_rows = 0 if wq.per_channel else max(1, tile_k // wq.group_size)
-    return Plan(tile_m, tile_k, _piece_k(wq, tile_k), 2 if wq.bits == 4 else 1, scale_rows)
+    return Plan(tile_m, tile_k, _piece_k(wq, tile_k), 2 if wq.bits == 4 else 1, scale_rows, stages)
 
 
 def _dequantized_parts(w_refs, s_smem, wq_meta, p: Plan, dtype):
@@ -179,7 +183,7 @@ def _qmm_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, *stage, wq_meta, p: Plan
             functools.partial(step, acc_ref=acc_ref),
             grid=(k_steps_per_split,),
             in_specs=[*w_specs, x_spec, s_spec],
-            max_concurrent_steps=_STAGES,
+            max_concurrent_steps=p.stages,
         )(*[w_gmem] * p.pieces, x_gmem, s_gmem)
         return acc_ref[...]
 
@@ -195,6 +199,30 @@ def default_k_splits(n_tiles: int, k_steps: int) -> int:
     """Split K until the grid covers every SM about twice, keeping whole steps per split."""
     want = max(1, -(-2 * _NUM_SMS // n_tiles))
     return max(d for d in range(1, min(want, k_steps) + 1) if k_steps % d == 0)
+
+
+# From this many rows on, dequantize_matmul beats the kernel (`dequantize_from_m`). The kernel streams the
+# weights once per 128 activation rows through one warpgroup: right for decode, wrong for prefill. H100,
+# one Llama-3-8B layer's five shapes, device time (scripts/bench_quantized.py --sections m_scale):
+#   rows          16    64   128   256   512  2048   8192   (us)
+#   bf16 dot     168   194   186   203   313  1213   4721
+#   int8 kernel  107   145   204   372   719  2944  21147   dequantize + dot: 458 .. 499 to M=256, 603 at 512
+#   int4 kernel  194   238   326   556  1074  4305  25294   dequantize + dot: 429 .. 472 to M=256, 575 at 512
+# The crossings lie between the measured rows: int8 between 256 and 512, int4 between 128 and 256.
+DEQUANTIZE_FROM_M = {8: 385, 4: 193}
+
+
+def dequantize_from_m(wq: QuantizedWeights) -> int:
+    """Rows from which quantized_matmul("auto") on a GPU dequantizes and lets XLA's dot run (DEQUANTIZE_FROM_M)."""
+    return DEQUANTIZE_FROM_M[wq.bits]
+
+
+def dequantize_matmul(x: jax.Array, wq: QuantizedWeights) -> jax.Array:
+    """x [M, K] @ wq dequantized to x's dtype by one XLA fusion, then XLA's dot: the many-row path. It reads
+    the quantized weights and writes a 16-bit copy per call (3 bytes per parameter for int8), which at
+    prefill sizes is a few percent of the product itself."""
+    w = dequantize_weights(wq).astype(x.dtype)  # [Kp, N]
+    return pad_activations(x, wq) @ w  # [M, N]
 
 
 def unsupported_reason(wq: QuantizedWeights) -> str | None:
@@ -218,16 +246,19 @@ def _check_supported(wq: QuantizedWeights) -> None:
         raise NotImplementedError(reason)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "k_splits"))
+@functools.partial(jax.jit, static_argnames=("interpret", "k_splits", "tile_k", "stages"))
 def quantized_matmul(x: jax.Array, wq: QuantizedWeights, *, interpret: bool = False,
-                     k_splits: int | None = None) -> jax.Array:
-    """x [M, K] @ wq -> [M, N] in x.dtype (Mosaic GPU, Hopper)."""
+                     k_splits: int | None = None, tile_k: int | None = None,
+                     stages: int = _STAGES) -> jax.Array:
+    """x [M, K] @ wq -> [M, N] in x.dtype (Mosaic GPU, Hopper). k_splits / tile_k / stages override
+    the split-K count, the K step and the pipeline depth (the defaults above; the tiling sweep in
+    scripts/bench_quantized.py times alternatives)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     _check_supported(wq)
     m, n, kp = x.shape[0], wq.out_features, wq.padded_in_features
     compute_dtype = jnp.float16 if x.dtype == jnp.float16 else jnp.bfloat16
-    p = plan(wq, m)
+    p = plan(wq, m, tile_k, stages)
     mp = -(-(-(-m // 8) * 8) // p.tile_m) * p.tile_m
     xp = jnp.pad(pad_activations(x, wq), ((0, mp - m), (0, 0))).astype(compute_dtype)  # [Mp, Kp]
     k_steps = kp // p.tile_k

@@ -10,6 +10,7 @@ import pytest
 from pallas_kernels.quantized_matmul import (dequantize_weights, from_codes, quantize_weights,
                                              quantized_matmul, resolve_impl)
 from pallas_kernels.quantized_matmul.reference import pack_int4, unpack_int4
+from pallas_kernels.quantized_matmul import gpu
 
 # (M, K, N, bits, group_size, fp8): odd M, K off the 128 grid, N off the 512/256 blocks,
 # per-channel and grouped scales, K spanning several blocks and several groups per block, the GGUF
@@ -152,8 +153,6 @@ def test_auto_impl_and_shape_errors():
 @pytest.mark.parametrize("bits, group", [(4, 128), (8, None), (4, 32), (8, 32), (8, 16)])
 @pytest.mark.parametrize("k", [576, 640, 4096, 14336])
 def test_kernel_step_fits_shared_memory_and_divides_k(bits, group, k):
-    from pallas_kernels.quantized_matmul import gpu
-
     wq = quantize_weights(jnp.ones((k, 64)), bits=bits, group_size=group)
     for m in (1, 8, 16, 32, 64, 128):
         tile_k = gpu.step_k(wq, m)
@@ -200,6 +199,22 @@ def _has_mosaic_gpu_bindings() -> bool:
     return True
 
 
+@pytest.mark.parametrize("m, bits, group, zp", [(385, 8, None, False), (512, 8, 32, False), (193, 4, 32, True),
+                                                 (256, 4, 128, False)])
+def test_many_rows_dequantize_then_dot(rng, m, bits, group, zp):
+    """From DEQUANTIZE_FROM_M rows the GPU path dequantizes (one XLA fusion) and runs XLA's dot, which is plain
+    jnp, so CPU runs the very code a GPU does; below it the kernel runs (not lowered here: no GPU)."""
+    assert gpu.dequantize_from_m(quantize_weights(jnp.ones((64, 64)), bits=bits)) <= m
+    x, w = _inputs(rng, m, 576, 256, jnp.bfloat16)
+    wq = quantize_weights(w, bits=bits, group_size=group, zero_point=zp)
+    got = jax.jit(lambda x, wq: quantized_matmul(x, wq, impl="gpu"))(x, wq)
+    want = quantized_matmul(x, wq, impl="reference")
+    assert got.shape == (m, 256) and got.dtype == jnp.bfloat16
+    assert _rel(got, want.astype(jnp.float32)) < 1e-2
+    lowered = jax.jit(lambda x, wq: quantized_matmul(x, wq, impl="gpu")).lower(x, wq).as_text()
+    assert "mosaic_gpu" not in lowered  # the kernel stays out of the many-row path
+
+
 @pytest.mark.skipif(not _has_mosaic_gpu_bindings(),
                     reason="needs the Mosaic GPU bindings (jax-cuda13-plugin) to lower for CUDA")
 @pytest.mark.parametrize("name", [*GPU_CASES, "llama_up_int4", "llama_down_int8", "w8a8_prefill"])
@@ -229,7 +244,9 @@ def test_gpu_kernel_lowers_for_cuda(name):
     (8, 2048, 640, 4, 64, False),
     # fp8 W8A8: decode (cols) and prefill (rows, warp-specialized).
     (1, 4096, 14336, 8, None, "w8a8"), (64, 4096, 1024, 8, None, "w8a8"), (512, 4096, 14336, 8, None, "w8a8"),
-    (300, 1024, 384, 8, None, "w8a8")])
+    (300, 1024, 384, 8, None, "w8a8"),
+    # Many rows: dequantize + XLA's dot (gpu.DEQUANTIZE_FROM_M).
+    (512, 4096, 1024, 8, None, False), (256, 4096, 1024, 4, 32, "zp")])
 def test_gpu_kernel_matches_reference(rng, m, k, n, bits, group, fp8):
     x, w = _inputs(rng, m, k, n, jnp.bfloat16)
     wq = _quantize(w, bits, group, fp8)
