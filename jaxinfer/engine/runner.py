@@ -23,6 +23,7 @@ import os
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
@@ -33,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxinfer.attention import make_attention_fn
 from jaxinfer.expert_parallel import make_moe_fn
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine import export_cache
 from jaxinfer.engine.transfer import Transfer
 from jaxinfer.engine.verify import VerifyInputs, verify, verify_logits
 from jaxinfer.engine.sampling import (
@@ -225,6 +227,8 @@ class ModelRunner:
         # How many leading arguments of an entry point are the runner's own (weights, kv_cache): they never change
         # shape, so `_key` skips them and `precompile` supplies them.
         self._own_args = {"sample": 0, "prompt": 1}
+        # Whether precompile keeps lowered programs beside the persistent compilation cache (export_cache).
+        self.use_export_cache = True
 
     def penalty_sharding(self) -> PenaltyState:
         """Where the penalty state lives: output counts [S, V] split by vocabulary like the logits they
@@ -457,8 +461,10 @@ class ModelRunner:
         Tracing and lowering hold the GIL, so they run in turn; XLA compilation (or loading from the persistent
         cache) releases it, so each program goes to a pool of `threads` as soon as it is lowered and compiles
         while the next ones are traced (on a GPU host most of a cold warmup is XLA compile time). Each executable
-        is kept and used by `step`/`decode_steps` for inputs of the same shapes. `precompile_times`: `trace_s`
-        the tracing loop, `compile_s` the compiles still running after it.
+        is kept and used by `step`/`decode_steps` for inputs of the same shapes. With a persistent compilation
+        cache, lowering goes through jaxinfer.engine.export_cache (a warm start reads the lowered programs).
+        `precompile_times`: `trace_s` the tracing loop, `compile_s` the compiles still running after it,
+        `programs_read` / `programs_exported` / `programs_lowered` where each program's lowering came from.
         """
         start = time.perf_counter()
         # One thread per core: on a 16-core H100 host a cold start of the bench's engine took 52.6 s to its first
@@ -469,7 +475,9 @@ class ModelRunner:
             # the same order, so there the placements keep to one thread in call order (on the pool, gloo's
             # collectives mismatched in tests/distributed/test_multihost.py); one process may use the pool.
             placer = pool if jax.process_count() == 1 else in_order
-            pending, lowered_keys = [], set()
+            pending, lowered_keys, sources = [], set(), []
+            # Lowered programs from an earlier start, or written now for the next (jaxinfer.engine.export_cache).
+            exports = export_cache.default_directory() if self.use_export_cache else None
             for kind, rest, static in calls:
                 # Lowered for the host inputs as `place` puts them at run time: left to the compiler, an input
                 # used under a shard_map (the structured-output bitmask) would be compiled for a split layout
@@ -481,25 +489,27 @@ class ModelRunner:
                 key = self._key(kind, args, static)
                 if key in self._executables or key in lowered_keys:
                     continue
-                lowered = [(key, self._jitted(kind).lower(*args, **static))]
+                lowered = [(key, export_cache.lower(self._jitted(kind), args, static, exports))]
                 if kind == "forward":  # and the prompt-logprob program over its hidden states
-                    lowered.extend(self._lower_prompt(lowered[0][1].out_info[1].hidden))
+                    lowered.extend(self._lower_prompt(lowered[0][1].out_info[1].hidden, exports))
                 lowered_keys.update(k for k, _ in lowered)
+                sources.extend(getattr(low, "source", "lowered") for _, low in lowered)
                 pending.extend((k, pool.submit(low.compile)) for k, low in lowered)
             traced = time.perf_counter()
             done = [(key, future.result()) for key, future in pending]  # a placement's error surfaces here too
             self._executables.update((key, exe) for key, exe in done if key is not None)  # None: a placement
         if lowered_keys:
             self.precompile_times = {"executables": len(lowered_keys), "threads": threads,
-                                     "trace_s": traced - start, "compile_s": time.perf_counter() - traced}
+                                     "trace_s": traced - start, "compile_s": time.perf_counter() - traced,
+                                     **{f"programs_{s}": sources.count(s) for s in sorted(set(sources))}}
 
-    def _lower_prompt(self, hidden: jax.ShapeDtypeStruct) -> list[tuple[tuple[Any, ...], Any]]:
+    def _lower_prompt(self, hidden: jax.ShapeDtypeStruct, exports: Path | None) -> list[tuple[tuple[Any, ...], Any]]:
         """The prompt-logprob program lowered for a forward's hidden states [T, D], unless compiled already."""
         t = hidden.shape[0]
         args = (self.weights, jax.ShapeDtypeStruct(hidden.shape, hidden.dtype, sharding=self.hidden_sharding(t)),
                 jax.ShapeDtypeStruct((t,), jnp.int32, sharding=replicated(self.mesh)))
         key = self._key("prompt", args, {})
-        return [] if key in self._executables else [(key, self._prompt_step.lower(*args))]
+        return [] if key in self._executables else [(key, export_cache.lower(self._prompt_step, args, {}, exports))]
 
     def logits(self, batch: StepBatch) -> jax.Array:
         """Run the model on `batch`, update the cache in place, return float32 logits [S, V]."""

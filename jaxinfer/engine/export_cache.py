@@ -1,0 +1,156 @@
+"""Lowered programs kept beside the compilation cache, so that a warm start does not lower them again.
+
+Why: a second start of the bench's engine (Llama-3-8B shape, one H100) spent 16.3 of its 21.0 s tracing and
+lowering the 36 warmup programs before XLA's persistent cache could even be asked for them (its key is the
+lowered module): 5.9 s building jaxprs, 10.7 s lowering them to StableHLO, about half of that in Mosaic GPU
+lowering the attention kernel once per program (docs/PERFORMANCE.md, "Start"). XLA's cache then returns each
+executable in a fraction of a second.
+
+What: each program is traced as before (that gives the output tree and the cache key), and its lowering is
+taken from `jax.export` (a serialized StableHLO module, flatbuffers, no pickle): written on the first start,
+read on later ones. The program compiled is the exported module called on the flattened arguments, on both
+starts, so the second start's XLA module is the first's and hits XLA's cache.
+
+The key is a SHA-256 of everything the lowered module depends on: the jaxpr's text (every primitive, shape,
+static parameter, nested jaxpr and Pallas kernel body), the bytes of its closed-over constants, the argument
+shardings and donations, the compiler options, the JAX and jaxlib versions and the backend's devices. A
+program that changes in any of these gets a new file; stale files are never read (they can be deleted).
+
+Not used with several processes (each would need the same files at the same moment) or without a persistent
+compilation cache directory. Anything that cannot be exported or read back falls back to lowering as before,
+with one warning naming the program.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+SUFFIX = ".jaxexport"
+_WARNED: set[str] = set()
+
+
+def default_directory() -> Path | None:
+    """`exports/` inside JAX's persistent compilation cache directory, when one is set and one process runs."""
+    cache = jax.config.jax_compilation_cache_dir
+    if not cache or jax.process_count() > 1:
+        return None
+    return Path(cache) / "jaxinfer_exports"
+
+
+class FlatCompiled:
+    """A compiled exported program behind the calling convention of the jitted original: pytrees in and out."""
+
+    def __init__(self, compiled: Any, in_tree: Any, out_tree: Any):
+        self._compiled, self._in_tree, self._out_tree = compiled, in_tree, out_tree
+
+    def __call__(self, *args: Any) -> Any:
+        leaves, tree = jax.tree.flatten(args)
+        if tree != self._in_tree:
+            raise TypeError(f"exported program called with {tree}, compiled for {self._in_tree}")
+        return jax.tree.unflatten(self._out_tree, self._compiled(*leaves))
+
+
+class FlatLowered:
+    """`jax.stages.Lowered`'s part that precompile uses: `compile()` and `out_info`."""
+
+    def __init__(self, lowered: Any, in_tree: Any, traced: Any, source: str):
+        self._lowered, self._in_tree, self._traced = lowered, in_tree, traced
+        self.source = source  # "read" (from a file) or "exported" (written now)
+
+    @property
+    def out_info(self) -> Any:
+        return self._traced.out_info
+
+    def compile(self) -> FlatCompiled:
+        return FlatCompiled(self._lowered.compile(), self._in_tree, self._traced.out_tree)
+
+
+def program_key(traced: Any, leaves: list[Any], options: dict[str, Any]) -> str:
+    """The SHA-256 that names a program's file (module docstring: what goes in and why)."""
+    h = hashlib.sha256()
+    devices = jax.devices()
+    for part in (jax.__version__, jax.lib.__version__, jax.default_backend(), devices[0].device_kind, len(devices),
+                 sorted(options.items()), [info.donated for info in jax.tree.leaves(traced.args_info)],
+                 [(leaf.shape, str(leaf.dtype), str(getattr(leaf, "sharding", None))) for leaf in leaves]):
+        h.update(repr(part).encode())
+    h.update(str(traced.jaxpr).encode())
+    for const in traced.jaxpr.consts:
+        value = np.asarray(const)
+        h.update(repr((value.shape, str(value.dtype))).encode())
+        h.update(value.tobytes())
+    return h.hexdigest()
+
+
+def _compiler_options(traced: Any) -> dict[str, Any]:
+    # jax.stages.Traced keeps the jit's compiler options only in its private parameters (jax 0.11.2); without
+    # them the exported program would compile with XLA's defaults (on GPU, command buffers back on).
+    return dict(getattr(traced, "_params", {}).get("compiler_options_kvs", ()))
+
+
+def _export(traced: Any, leaves: list[Any]) -> Any:
+    """The traced program as a `jax.export.Exported` over the flat argument list.
+
+    JAX's custom-call check refuses targets it does not promise to keep stable across versions (XLA's GPU
+    library calls, for one). It is off here for every target ("ALL"): a file is only ever read by the JAX that
+    wrote it, since the key holds the JAX and jaxlib versions."""
+    closed = traced.jaxpr
+
+    def flat(*args: Any) -> list[Any]:
+        return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
+
+    checks = [jax.export.DisabledSafetyCheck.custom_call("ALL")]
+    return jax.export.export(jax.jit(flat), disabled_checks=checks)(*leaves)
+
+
+def _write(path: Path, blob: bytes) -> None:
+    """Atomically: a reader sees the whole file or none (two processes may write the same key)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+        f.write(blob)
+    os.replace(tmp, path)
+
+
+def _warn_once(name: str, what: str, error: BaseException) -> None:
+    if name not in _WARNED:
+        _WARNED.add(name)
+        warnings.warn(f"export cache: {what} program {name!r} failed ({type(error).__name__}: {error}); it is "
+                      "lowered as usual instead. This is reported once per program.", RuntimeWarning, stacklevel=3)
+
+
+def lower(jitted: Any, args: tuple[Any, ...], static: dict[str, Any], directory: Path | None) -> Any:
+    """`jitted.lower(*args, **static)`, through the export cache in `directory` (None: plain lowering)."""
+    if directory is None:
+        return jitted.lower(*args, **static)
+    traced = jitted.trace(*args, **static)
+    leaves, in_tree = jax.tree.flatten(args)
+    options = _compiler_options(traced)
+    path = directory / (program_key(traced, leaves, options) + SUFFIX)
+    exported, source = None, "read"
+    if path.exists():
+        try:
+            exported = jax.export.deserialize(bytearray(path.read_bytes()))
+        except Exception as e:  # noqa: BLE001 - an unreadable file is written again below
+            _warn_once(traced.fun_name, "reading", e)
+    if exported is None:
+        source = "exported"
+        try:
+            exported = _export(traced, leaves)
+            _write(path, bytes(exported.serialize()))
+        except Exception as e:  # noqa: BLE001 - the program still runs, lowered as before
+            _warn_once(traced.fun_name, "exporting", e)
+            return traced.lower()
+    donated = tuple(i for i, info in enumerate(jax.tree.leaves(traced.args_info)) if info.donated)
+    flat = jax.jit(exported.call, donate_argnums=donated, compiler_options=options or None)
+    return FlatLowered(flat.lower(*leaves), in_tree, traced, source)
+
+
+__all__ = ["FlatCompiled", "FlatLowered", "default_directory", "lower", "program_key"]

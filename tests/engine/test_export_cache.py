@@ -1,0 +1,144 @@
+"""The export cache (jaxinfer.engine.export_cache): a second start reads every lowered program the first one
+wrote, runs exactly what a start without the cache runs, and a program that differs in anything gets a file
+of its own."""
+
+from __future__ import annotations
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxinfer.config import CacheConfig, EngineConfig, SamplingParams
+from jaxinfer.engine import export_cache
+from jaxinfer.engine.engine import Engine
+import model_helpers
+from model_helpers import run_to_completion
+
+CFG = model_helpers.tiny_config(tie_word_embeddings=False)
+GREEDY = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+PROMPTS = [[5, 9, 2], list(range(1, 30)), [7] * 11]
+
+
+@pytest.fixture
+def cache_dir(tmp_path):
+    """JAX's compilation cache directory set to a fresh folder for the test (the export cache lives inside it)."""
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla"))
+    yield tmp_path / "xla"
+    jax.config.update("jax_compilation_cache_dir", before)
+
+
+def start(use_export_cache: bool = True, cfg=CFG, **runner_kwargs) -> Engine:
+    """A fresh runner and engine (what a new process builds), warmed up: single and multi-step programs."""
+    runner = model_helpers.build_runner(cfg, seed=0, num_pages=48, page_size=16, **runner_kwargs)
+    runner.use_export_cache = use_export_cache
+    engine = Engine(runner, None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128),
+                    CacheConfig(page_size=16), use_tqdm=False, decode_steps_per_call=4)
+    engine.warmup()
+    return engine
+
+
+def greedy(engine: Engine) -> list[list[int]]:
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    final = run_to_completion(engine)
+    return [list(final[i].outputs[0].token_ids) for i in ids]
+
+
+def test_second_start_reads_every_program_and_generates_the_same_tokens(cache_dir) -> None:
+    check_second_start(cache_dir)
+
+
+@pytest.mark.gpu
+def test_second_start_on_gpu_with_the_attention_kernel(cache_dir) -> None:
+    """The same with the Mosaic GPU attention kernel (its custom call goes through export and back), bf16."""
+    cfg = CFG.replace(head_dim=64, num_heads=4, num_kv_heads=2)
+    check_second_start(cache_dir, cfg=cfg, attention_impl="pallas_gpu", dtype=jnp.bfloat16)
+
+
+def check_second_start(cache_dir, **kwargs) -> None:
+    first = start(**kwargs)
+    times = first.runner.precompile_times
+    assert times["programs_exported"] == times["executables"] >= 4 and "programs_read" not in times
+    files = sorted((cache_dir / "jaxinfer_exports").glob("*" + export_cache.SUFFIX))
+    assert len(files) == times["executables"]
+    tokens = greedy(first)
+
+    second = start(**kwargs)
+    assert second.runner.precompile_times["programs_read"] == times["executables"]
+    assert "programs_exported" not in second.runner.precompile_times
+    assert greedy(second) == tokens
+    assert second.stats()["num_compiles_after_warmup"] == 0
+
+    plain = start(use_export_cache=False, **kwargs)
+    assert plain.runner.precompile_times.get("programs_lowered") == times["executables"]
+    assert greedy(plain) == tokens
+
+
+def test_no_compilation_cache_means_no_export_cache() -> None:
+    before = jax.config.jax_compilation_cache_dir
+    jax.config.update("jax_compilation_cache_dir", None)
+    try:
+        assert export_cache.default_directory() is None
+    finally:
+        jax.config.update("jax_compilation_cache_dir", before)
+    f = jax.jit(lambda x: x * 2)
+    assert not isinstance(export_cache.lower(f, (jnp.ones(3),), {}, None), export_cache.FlatLowered)
+
+
+def _lowered(fn, *args, directory, **static):
+    return export_cache.lower(jax.jit(fn, static_argnames=tuple(static)), args, static, directory)
+
+
+def test_key_follows_constants_statics_shapes_and_donation(tmp_path) -> None:
+    x = jnp.ones((4,), jnp.float32)
+
+    def key(fn, *args, donate=(), **static):
+        traced = jax.jit(fn, static_argnames=tuple(static), donate_argnums=donate).trace(*args, **static)
+        leaves = jax.tree.leaves(args)
+        return export_cache.program_key(traced, leaves, {})
+
+    table_a, table_b = np.arange(4, dtype=np.float32), np.arange(4, dtype=np.float32) + 1
+    base = key(lambda v: v + table_a, x)
+    assert key(lambda v: v + table_a, x) == base  # the same program: the same file
+    assert key(lambda v: v + table_b, x) != base  # a closed-over constant's value
+    assert key(lambda v, n: v * n, x, n=2) != key(lambda v, n: v * n, x, n=3)  # a static argument
+    assert key(lambda v: v + table_a, jnp.ones((5,), jnp.float32)[:4]) == base
+    assert key(lambda v: v + table_a, jnp.ones((4,), jnp.bfloat16)) != base  # a dtype
+    assert key(lambda v: v + table_a, x, donate=(0,)) != base  # a donation
+
+
+def test_an_unreadable_file_is_written_again_and_the_program_still_runs(tmp_path) -> None:
+    fn = lambda v: jnp.sin(v) * 3  # noqa: E731
+    x = jnp.linspace(0, 1, 8)
+    first = _lowered(fn, x, directory=tmp_path)
+    assert first.source == "exported"
+    (path,) = tmp_path.glob("*" + export_cache.SUFFIX)
+    path.write_bytes(b"not a flatbuffer")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        again = _lowered(fn, x, directory=tmp_path)
+    assert again.source == "exported" and any("export cache" in str(w.message) for w in caught)
+    np.testing.assert_allclose(again.compile()(x), fn(x), rtol=1e-6)
+    assert _lowered(fn, x, directory=tmp_path).source == "read"
+
+
+def test_pytrees_in_and_out_and_donation_survive(tmp_path) -> None:
+    """The compiled program takes and returns the original's pytrees, and a donated argument is donated."""
+
+    def step(state, x):
+        return {"total": state["total"] + x.sum(), "count": state["count"] + 1}, x * 2
+
+    state = {"total": jnp.zeros(()), "count": jnp.zeros((), jnp.int32)}
+    x = jnp.arange(6.0)
+    jitted = jax.jit(step, donate_argnums=(0,))
+    for source in ("exported", "read"):
+        lowered = export_cache.lower(jitted, (state, x), {}, tmp_path)
+        assert lowered.source == source
+        new_state, y = lowered.compile()(state, x)
+        assert state["total"].is_deleted()  # donated
+        np.testing.assert_allclose(y, x * 2)
+        assert float(new_state["total"]) == 15.0 and int(new_state["count"]) == 1
+        state = {"total": jnp.zeros(()), "count": jnp.zeros((), jnp.int32)}
