@@ -23,6 +23,7 @@ with one warning naming the program.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import tempfile
@@ -98,15 +99,34 @@ def _compiler_options(traced: Any) -> dict[str, Any]:
 def _export(traced: Any, leaves: list[Any]) -> Any:
     """The traced program as a `jax.export.Exported` over the flat argument list.
 
+    `jax.export.export` would trace the program again; a cold start already spends minutes of CPU in tracing and
+    lowering, so the program is lowered for export from the trace in hand, through the two private steps
+    `jax.export.export` itself takes (jax 0.11.2, pinned), and its argument and result trees are made flat lists
+    (the runner's pytrees hold classes JAX cannot serialize; FlatCompiled restores them). Where those steps are
+    missing, the public route: export a function that evaluates the jaxpr.
+
     JAX's custom-call check refuses targets it does not promise to keep stable across versions (XLA's GPU
     library calls, for one). It is off here for every target ("ALL"): a file is only ever read by the JAX that
     wrote it, since the key holds the JAX and jaxlib versions."""
+    checks = [jax.export.DisabledSafetyCheck.custom_call("ALL")]
+    try:
+        from jax._src.export import _export as impl
+        from jax._src.interpreters import mlir
+    except ImportError:
+        impl = None
+    if impl is not None and hasattr(impl, "_export_lowered"):
+        params = mlir.LoweringParameters(
+            for_export=True, hoist_constants_as_args=False,
+            export_ignore_forward_compatibility=impl.config.export_ignore_forward_compatibility.value)
+        lowered = traced.lower(lowering_platforms=(impl.default_export_platform(),), _private_parameters=params)
+        exported = impl._export_lowered(lowered, traced.jaxpr, traced.fun_name, disabled_checks=checks)
+        return dataclasses.replace(exported, in_tree=jax.tree.structure((tuple(leaves), {})),
+                                   out_tree=jax.tree.structure([0] * len(exported.out_avals)))
     closed = traced.jaxpr
 
     def flat(*args: Any) -> list[Any]:
         return jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *args)
 
-    checks = [jax.export.DisabledSafetyCheck.custom_call("ALL")]
     return jax.export.export(jax.jit(flat), disabled_checks=checks)(*leaves)
 
 
