@@ -39,11 +39,15 @@ _WARNED: set[str] = set()
 
 
 def default_directory() -> Path | None:
-    """`exports/` inside JAX's persistent compilation cache directory, when one is set and one process runs."""
-    cache = jax.config.jax_compilation_cache_dir
-    if not cache or jax.process_count() > 1:
+    """`jaxinfer_exports/` inside JAX's persistent compilation cache directory, when one is set and one process
+    runs (`directory_for` with this process's settings)."""
+    return directory_for(jax.config.jax_compilation_cache_dir, jax.process_count())
+
+
+def directory_for(compilation_cache_dir: str | None, process_count: int) -> Path | None:
+    if not compilation_cache_dir or process_count > 1:
         return None
-    return Path(cache) / "jaxinfer_exports"
+    return Path(compilation_cache_dir) / "jaxinfer_exports"
 
 
 class FlatCompiled:
@@ -173,4 +177,4 @@ def lower(jitted: Any, args: tuple[Any, ...], static: dict[str, Any], directory:
     return FlatLowered(flat.lower(*leaves), in_tree, traced, source)
 
 
-__all__ = ["FlatCompiled", "FlatLowered", "default_directory", "lower", "program_key"]
+__all__ = ["FlatCompiled", "FlatLowered", "default_directory", "directory_for", "lower", "program_key"]

@@ -227,8 +227,9 @@ class ModelRunner:
         # How many leading arguments of an entry point are the runner's own (weights, kv_cache): they never change
         # shape, so `_key` skips them and `precompile` supplies them.
         self._own_args = {"sample": 0, "prompt": 1}
-        # Whether precompile keeps lowered programs beside the persistent compilation cache (export_cache).
-        self.use_export_cache = True
+        # Where precompile keeps lowered programs (export_cache): "auto" beside the persistent compilation cache
+        # (export_cache.default_directory), None nowhere, or a directory.
+        self.export_directory: str | Path | None = "auto"
 
     def penalty_sharding(self) -> PenaltyState:
         """Where the penalty state lives: output counts [S, V] split by vocabulary like the logits they
@@ -477,7 +478,8 @@ class ModelRunner:
             placer = pool if jax.process_count() == 1 else in_order
             pending, lowered_keys, sources = [], set(), []
             # Lowered programs from an earlier start, or written now for the next (jaxinfer.engine.export_cache).
-            exports = export_cache.default_directory() if self.use_export_cache else None
+            exports = (export_cache.default_directory() if self.export_directory == "auto"
+                       else None if self.export_directory is None else Path(self.export_directory))
             for kind, rest, static in calls:
                 # Lowered for the host inputs as `place` puts them at run time: left to the compiler, an input
                 # used under a shard_map (the structured-output bitmask) would be compiled for a split layout

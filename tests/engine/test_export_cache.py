@@ -24,17 +24,15 @@ PROMPTS = [[5, 9, 2], list(range(1, 30)), [7] * 11]
 
 @pytest.fixture
 def cache_dir(tmp_path):
-    """JAX's compilation cache directory set to a fresh folder for the test (the export cache lives inside it)."""
-    before = jax.config.jax_compilation_cache_dir
-    jax.config.update("jax_compilation_cache_dir", str(tmp_path / "xla"))
-    yield tmp_path / "xla"
-    jax.config.update("jax_compilation_cache_dir", before)
+    """The export cache's directory for one test, given to the runner: JAX's own compilation cache stays as the
+    process has it (turning it on here would leave it on for the tests after this one in the same worker)."""
+    return tmp_path / "exports"
 
 
-def start(use_export_cache: bool = True, cfg=CFG, **runner_kwargs) -> Engine:
+def start(directory, cfg=CFG, **runner_kwargs) -> Engine:
     """A fresh runner and engine (what a new process builds), warmed up: single and multi-step programs."""
     runner = model_helpers.build_runner(cfg, seed=0, num_pages=48, page_size=16, **runner_kwargs)
-    runner.use_export_cache = use_export_cache
+    runner.export_directory = directory
     engine = Engine(runner, None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=128),
                     CacheConfig(page_size=16), use_tqdm=False, decode_steps_per_call=4)
     engine.warmup()
@@ -59,31 +57,29 @@ def test_second_start_on_gpu_with_the_attention_kernel(cache_dir) -> None:
 
 
 def check_second_start(cache_dir, **kwargs) -> None:
-    first = start(**kwargs)
+    first = start(cache_dir, **kwargs)
     times = first.runner.precompile_times
     assert times["programs_exported"] == times["executables"] >= 4 and "programs_read" not in times
-    files = sorted((cache_dir / "jaxinfer_exports").glob("*" + export_cache.SUFFIX))
+    files = sorted(cache_dir.glob("*" + export_cache.SUFFIX))
     assert len(files) == times["executables"]
     tokens = greedy(first)
 
-    second = start(**kwargs)
+    second = start(cache_dir, **kwargs)
     assert second.runner.precompile_times["programs_read"] == times["executables"]
     assert "programs_exported" not in second.runner.precompile_times
     assert greedy(second) == tokens
     assert second.stats()["num_compiles_after_warmup"] == 0
 
-    plain = start(use_export_cache=False, **kwargs)
+    plain = start(None, **kwargs)
     assert plain.runner.precompile_times.get("programs_lowered") == times["executables"]
     assert greedy(plain) == tokens
 
 
-def test_no_compilation_cache_means_no_export_cache() -> None:
-    before = jax.config.jax_compilation_cache_dir
-    jax.config.update("jax_compilation_cache_dir", None)
-    try:
-        assert export_cache.default_directory() is None
-    finally:
-        jax.config.update("jax_compilation_cache_dir", before)
+def test_the_directory_follows_the_compilation_cache(tmp_path) -> None:
+    """Beside JAX's persistent compilation cache when one is set, in one process; otherwise no export cache."""
+    assert export_cache.directory_for(str(tmp_path), 1) == tmp_path / "jaxinfer_exports"
+    assert export_cache.directory_for(None, 1) is None and export_cache.directory_for("", 1) is None
+    assert export_cache.directory_for(str(tmp_path), 2) is None  # several processes
     f = jax.jit(lambda x: x * 2)
     assert not isinstance(export_cache.lower(f, (jnp.ones(3),), {}, None), export_cache.FlatLowered)
 
