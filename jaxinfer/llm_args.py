@@ -108,7 +108,8 @@ LLM_ARG_RULES: tuple[FieldRule, ...] = (
        lambda v: v is None or v >= 1),
     _r("max_num_batched_tokens", None, "None (the platform's: 4096 on GPU/TPU, 512 on CPU) or an integer >= 1",
        as_opt_int, lambda v: v is None or v >= 1),
-    _r("block_size", None, "None (16) or an integer >= 1: tokens per KV page", as_opt_int,
+    _r("block_size", None, "None (16; 32 for an int8 / fp8 KV cache on a GPU) or an integer >= 1: tokens per KV "
+       "page", as_opt_int,
        lambda v: v is None or v >= 1),
     _r("num_pages", None, "None or an integer >= 2: KV pages, page 0 reserved", as_opt_int,
        lambda v: v is None or v >= 2),
@@ -228,7 +229,11 @@ def resolve_llm_args(given: Mapping[str, Any], *, where: str = "LLM argument ") 
                            field="gpu_memory_utilization", value=values["gpu_memory_utilization"])
     if values["enforce_eager"]:
         _notice(f"{where}enforce_eager=True has no effect: XLA programs are always compiled.")
-    values["block_size"] = 16 if values["block_size"] is None else values["block_size"]
+    if values["block_size"] is None:
+        from jaxinfer.kv_cache import QUANTIZED_KV
+        from jaxinfer.platform import default_page_size
+
+        values["block_size"] = default_page_size(values["kv_cache_dtype"] in QUANTIZED_KV)
     return LLMArgs(**values)
 
 

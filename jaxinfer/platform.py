@@ -74,6 +74,20 @@ def fit_to_model(chosen: dict[str, object], moe: bool) -> dict[str, object]:
     return chosen
 
 
+PAGE_SIZE = 16
+# A quantized KV cache on a GPU: the attention kernel copies each page's scale row (R fp32 per KV head) into
+# shared memory with one TMA copy, and Mosaic GPU takes copies of a multiple of 128 bytes (R >= 32).
+QUANTIZED_KV_GPU_PAGE_SIZE = 32
+
+
+def default_page_size(quantized_kv: bool, backend: str | None = None) -> int:
+    """Tokens per KV page when `block_size` is not given: PAGE_SIZE, or QUANTIZED_KV_GPU_PAGE_SIZE for an int8 /
+    fp8 cache on a GPU."""
+    if quantized_kv and (backend or jax.default_backend()) == "gpu":
+        return QUANTIZED_KV_GPU_PAGE_SIZE
+    return PAGE_SIZE
+
+
 def default_quantization(checkpoint: object, float_weight_bytes: int, backend: str | None = None) -> str | None:
     """What `quantization=None` means here: "none" (dequantize at load) for a quantized checkpoint on a CPU
     whose float weights fit in CPU_FLOAT_WEIGHTS_FRACTION of the host's memory, else None ('auto')."""

@@ -62,6 +62,11 @@ class FlatCompiled:
             raise TypeError(f"exported program called with {tree}, compiled for {self._in_tree}")
         return jax.tree.unflatten(self._out_tree, self._compiled(*leaves))
 
+    def __getattr__(self, name: str) -> Any:
+        # The rest of jax.stages.Compiled (as_text, cost_analysis, ...) is the compiled module's: llm.describe()
+        # counts the collectives in a decode program's HLO text.
+        return getattr(self._compiled, name)
+
 
 class FlatLowered:
     """`jax.stages.Lowered`'s part that precompile uses: `compile()` and `out_info`."""

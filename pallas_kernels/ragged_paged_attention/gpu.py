@@ -34,9 +34,15 @@ Work decomposition (docs/KERNELS.md has the reasoning and the measured numbers):
   cache itself padded, a copy of the whole cache per call, or boxes that read the neighbouring
   head's columns.)
 
-Not supported here yet: int8/fp8 KV (use impl="reference"/"pallas_tpu"); that needs an in-SMEM
-dequantize stage before the wgmma. `supported_config` / `unsupported_reason` tell impl="auto" which
-calls it can take (the rest run on the reference, with one warning per reason).
+* A quantized cache (int8 / e4m3 `QuantizedPages`: codes [P, R, K, H] and a scale per token and head,
+  [P, K, R]) is streamed as it is stored: each page's codes and its R scales arrive by TMA, so a kv block
+  moves half the bytes of a bf16 one. wgmma takes 16-bit operands from shared memory here, so each step
+  widens the block's codes into one bf16 staging tile (exact: int8 and e4m3 values are bf16 values), and the
+  scales, which belong to kv positions, multiply the logits' columns (K) and the probabilities' columns
+  before P @ V (V): the sum over positions of p * scale * code is the sum of p * value.
+
+`supported_config` / `unsupported_reason` tell impl="auto" which calls it can take (the rest run on the
+reference, with one warning per reason).
 
 GPU-only modules are imported inside the functions so this file imports on CPU.
 """
@@ -49,11 +55,14 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.reference import QuantizedPages
+
 _ROWS = 64  # wgmma M: query rows per tile
 _MAX_GROUP = _ROWS  # a tile holds at least one token of every query head of its kv head
 # Head dims the kernel takes, each in the GPU test sweep (docs/KERNELS.md). Other multiples of 16 up
 # to 256 would lower the same way (swizzle from the row width) but stay out until tested there.
 HEAD_DIMS = (64, 80, 96, 128, 192, 256)
+QUANTIZED_KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 _MAX_BLOCK_KV = 128  # kv positions per step: the [64, Bk] f32 logits live in registers
 _SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper block may use, leaving room for barriers
 _STAGES = 3  # kv pipeline depth for decode-like batches (default_stages)
@@ -117,8 +126,9 @@ def _block_pages(page_table_ref, seq, kv_block, pages_per_block, max_pages):
     return tuple(pages)
 
 
-def _issue_kv_block(k_ref, v_ref, k_smem, v_smem, k_barriers, v_barriers, slot, head, pages):
-    """One TMA copy per page of a kv block into stage `slot` (K and V on their own barriers)."""
+def _issue_kv_block(k_ref, v_ref, k_smem, v_smem, k_barriers, v_barriers, slot, head, pages, scales=None):
+    """One TMA copy per page of a kv block into stage `slot` (K and V on their own barriers); with a quantized
+    cache (`scales` = (ks_ref [P, K, R], vs_ref, ks_smem [stages, Bk], vs_smem)) also each page's R scales."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -129,21 +139,54 @@ def _issue_kv_block(k_ref, v_ref, k_smem, v_smem, k_barriers, v_barriers, slot, 
                                 k_barriers.at[slot])
         plgpu.copy_gmem_to_smem(v_ref.at[page, :, head], v_smem.at[slot, rows],  # [R, H]
                                 v_barriers.at[slot])
+        if scales is not None:
+            ks_ref, vs_ref, ks_smem, vs_smem = scales
+            plgpu.copy_gmem_to_smem(ks_ref.at[page, head], ks_smem.at[slot, rows], k_barriers.at[slot])  # [R]
+            plgpu.copy_gmem_to_smem(vs_ref.at[page, head], vs_smem.at[slot, rows], v_barriers.at[slot])  # [R]
+
+
+def _widened(codes_smem, staging_smem):
+    """A kv block's 8-bit codes [Bk, H] in shared memory -> the bf16 staging tile, exactly, for the wgmma.
+
+    Loaded in the layout Mosaic GPU has for 8-bit values bound for 16-bit wgmma operands (32-bit shared-memory
+    loads), widened in registers, moved to the WGMMA layout (one warp shuffle) and stored swizzled."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    codes = plgpu.load(codes_smem, layout=plgpu.Layout.WGMMA_UPCAST_2X)
+    if codes.dtype == jnp.float8_e4m3fn:
+        codes = codes.astype(jnp.float32)  # ptxas of CUDA 13.0 converts e4m3 directly only to f16
+    staging_smem[...] = plgpu.layout_cast(codes.astype(staging_smem.dtype), plgpu.Layout.WGMMA)
+    plgpu.commit_smem()
+    return staging_smem
+
+
+def _column_scales(scales_smem, shape):
+    """A block's per-position scales [Bk] (shared memory) broadcast over the rows of a [64, Bk] tile."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    col = plgpu.load(scales_smem, layout=plgpu.Layout.WGMMA.reduce(0))  # [Bk]
+    return jax.lax.broadcast_in_dim(col, shape, [1])
 
 
 def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  # int32 metadata
                       q_ref,  # [W, K, 64, H] gmem, tile-major (see the module docstring)
-                      k_ref, v_ref,  # [P, R, K, H] gmem
-                      o_ref,  # [splits, K, W, 64, H] gmem
-                      lse_ref,  # [splits, K, W, 64] f32 gmem
-                      q_smem,  # [64, H], reused for the output tile once the loop is done
-                      k_smem, v_smem,  # [stages, Bk, H]
-                      lse_smem,  # [64] f32
-                      q_barrier, k_barriers, v_barriers,
-                      *, sm_scale, sliding_window, soft_cap, group, max_pages, num_splits,
-                      interpret):
+                      k_ref, v_ref,  # [P, R, K, H] gmem (codes, with a quantized cache)
+                      *refs, sm_scale, sliding_window, soft_cap, group, max_pages, num_splits,
+                      interpret, quantized):
+    # refs: [ks_ref, vs_ref ([P, K, R] f32 gmem), quantized only,]
+    #   o_ref [splits, K, W, 64, H] gmem, lse_ref [splits, K, W, 64] f32 gmem,
+    #   q_smem [64, H] (reused for the output tile once the loop is done), k_smem, v_smem [stages, Bk, H],
+    #   lse_smem [64] f32, q_barrier, k_barriers, v_barriers,
+    #   [k16_smem, v16_smem [Bk, H] bf16 staging, ks_smem, vs_smem [stages, Bk] f32, quantized only]
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    scales = None
+    if quantized:
+        ks_ref, vs_ref, *refs = refs
+        *refs, k16_smem, v16_smem, ks_smem, vs_smem = refs
+        scales = (ks_ref, vs_ref, ks_smem, vs_smem)
+    o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_barrier, k_barriers, v_barriers = refs
 
     tokens_per_tile, used_rows = tile_rows(group)
     stages, block_kv, head_dim = k_smem.shape
@@ -159,7 +202,7 @@ def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  #
                                          max_pages)
     issue = lambda step, pages: _issue_kv_block(
         k_ref, v_ref, k_smem, v_smem, k_barriers, v_barriers, jax.lax.rem(step, stages), head,
-        pages)
+        pages, scales)
     for s in range(stages - 1):
         pl.when(s < steps)(functools.partial(issue, s, pages_of(s)))
     plgpu.barrier_wait(q_barrier)
@@ -180,12 +223,15 @@ def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  #
         # Loaded now, used by the next step's issue: the load's latency hides behind this step.
         next_pages = pages_of(ahead + 1)
         plgpu.barrier_wait(k_barriers.at[slot])
+        k_block = _widened(k_smem.at[slot], k16_smem) if quantized else k_smem.at[slot]
 
         def qk_scope(acc_ref):
-            plgpu.wgmma(acc_ref, q_smem, k_smem.at[slot].transpose((1, 0)))
+            plgpu.wgmma(acc_ref, q_smem, k_block.transpose((1, 0)))
             return acc_ref[...]
 
         logits = pl.run_scoped(qk_scope, plgpu.ACC((_ROWS, block_kv), jnp.float32)) * sm_scale
+        if quantized:  # each key's scale: q . (scale * code) = scale * (q . code)
+            logits = logits * _column_scales(ks_smem.at[slot], logits.shape)
         if soft_cap is not None:
             logits = soft_cap * jnp.tanh(logits / soft_cap)
         kv_pos = (kb_lo + step) * block_kv + col
@@ -200,8 +246,11 @@ def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  #
         l_i = l_i * alpha + p.sum(axis=1)
         acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
         plgpu.barrier_wait(v_barriers.at[slot])
-
-        acc = _pv_accumulate(acc, p, v_smem.at[slot], v_smem.dtype, interpret)
+        v_block = v_smem.at[slot]
+        if quantized:  # sum of p * (scale * code) = sum of (p * scale) * code
+            p = p * _column_scales(vs_smem.at[slot], p.shape)
+            v_block = _widened(v_block, v16_smem)
+        acc = _pv_accumulate(acc, p, v_block, v_block.dtype, interpret)
         return acc, m_new, l_i, next_pages
 
     acc = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
@@ -262,9 +311,14 @@ def _smem_transforms(dtype, minor: int):
     return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
-def smem_bytes(head_dim: int, block_kv: int, stages: int, itemsize: int = 2) -> int:
-    """Shared memory of one CTA: the q/output tile, `stages` K and V blocks, the LSE row."""
-    return (_ROWS + 2 * stages * block_kv) * head_dim * itemsize + _ROWS * 4
+def smem_bytes(head_dim: int, block_kv: int, stages: int, itemsize: int = 2, kv_itemsize: int | None = None) -> int:
+    """Shared memory of one CTA: the q/output tile, `stages` K and V blocks, the LSE row; with an 8-bit cache
+    (kv_itemsize 1) also the two bf16 staging tiles and `stages` rows of K and V scales."""
+    kv_itemsize = kv_itemsize or itemsize
+    base = _ROWS * head_dim * itemsize + 2 * stages * block_kv * head_dim * kv_itemsize + _ROWS * 4
+    if kv_itemsize == itemsize:
+        return base
+    return base + 2 * block_kv * head_dim * itemsize + 2 * stages * block_kv * 4
 
 
 def _grid(num_tiles: int, kv_heads: int, num_splits: int) -> dict:
@@ -291,10 +345,10 @@ def default_stages(head_dim: int, num_tokens: int, num_slots: int) -> int:
     return 2 if mostly_prefill else _STAGES
 
 
-def _fit_stages(stages: int, head_dim: int, block_kv: int, itemsize: int) -> int:
+def _fit_stages(stages: int, head_dim: int, block_kv: int, itemsize: int, kv_itemsize: int | None = None) -> int:
     """The pipeline depth lowered to what fits the shared-memory budget (never below 2; the
     supported-config check guarantees 2 fit). Today's shapes (Bk = 64) always fit their default."""
-    while stages > 2 and smem_bytes(head_dim, block_kv, stages, itemsize) > _SMEM_BUDGET:
+    while stages > 2 and smem_bytes(head_dim, block_kv, stages, itemsize, kv_itemsize) > _SMEM_BUDGET:
         stages -= 1
     return stages
 
@@ -380,6 +434,7 @@ def ragged_paged_attention(
 
     num_tokens, num_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
+    quantized = isinstance(k_pages, QuantizedPages)
     num_slots, max_pages = page_indices.shape
     group = num_heads // kv_heads
     _check_supported(q, k_pages)
@@ -394,23 +449,32 @@ def ragged_paged_attention(
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale * (k_scale or 1.0), sliding_window=sliding_window,
         soft_cap=soft_cap, group=group, max_pages=max_pages, num_splits=num_splits,
-        interpret=interpret)
+        interpret=interpret, quantized=quantized)
     qt = _smem_transforms(q.dtype, head_dim)
     out_types = (
         jax.ShapeDtypeStruct((num_splits, kv_heads, max_tiles, _ROWS, head_dim), q.dtype),
         jax.ShapeDtypeStruct((num_splits, kv_heads, max_tiles, _ROWS), jnp.float32),
     )
+    kv_itemsize = jnp.dtype(k_pages.dtype).itemsize
     stages = stages or _fit_stages(default_stages(head_dim, num_tokens, num_slots), head_dim,
-                                   block_kv, q.dtype.itemsize)
+                                   block_kv, q.dtype.itemsize, kv_itemsize)
+    kvt = _smem_transforms(k_pages.dtype, head_dim)  # 8-bit codes: the swizzle of an H-byte row
+    copies = (block_kv // page_size) * (2 if quantized else 1)  # per stage and side: pages (+ their scales)
     scratch = [
         plgpu.SMEM((_ROWS, head_dim), q.dtype, transforms=qt),
-        plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype, transforms=qt),
-        plgpu.SMEM((stages, block_kv, head_dim), v_pages.dtype, transforms=qt),
+        plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype, transforms=kvt),
+        plgpu.SMEM((stages, block_kv, head_dim), v_pages.dtype, transforms=kvt),
         plgpu.SMEM((_ROWS,), jnp.float32),
         plgpu.Barrier(num_arrivals=1),
-        plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=stages),
-        plgpu.Barrier(num_arrivals=block_kv // page_size, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
+        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),
     ]
+    kv_args = (k_pages, v_pages)
+    if quantized:
+        scratch += [plgpu.SMEM((block_kv, head_dim), q.dtype, transforms=qt),  # K / V staging, bf16
+                    plgpu.SMEM((block_kv, head_dim), q.dtype, transforms=qt),
+                    plgpu.SMEM((stages, block_kv), jnp.float32), plgpu.SMEM((stages, block_kv), jnp.float32)]
+        kv_args = (k_pages.values, v_pages.values, k_pages.scales, v_pages.scales)
     o_parts, lse_parts = plgpu.kernel(
         kernel, out_type=out_types, scratch_types=scratch,
         **_grid(max_tiles, kv_heads, num_splits),
@@ -420,7 +484,7 @@ def ragged_paged_attention(
             approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(kv_lens.astype(jnp.int32), page_indices.reshape(-1).astype(jnp.int32),
-      cu_q_lens.astype(jnp.int32), tile_seq, tile_tok0, q_tiles, k_pages, v_pages)
+      cu_q_lens.astype(jnp.int32), tile_seq, tile_tok0, q_tiles, *kv_args)
     o_tiles = _combine_splits(o_parts, lse_parts)  # [K, W, 64, H]
     out = _gather_rows(o_tiles, cu_q_lens, num_seqs, tile_base, num_tokens, group)
     if v_scale is not None:
@@ -446,29 +510,41 @@ def unsupported_reason(q: jax.Array, k_pages: jax.Array) -> str | None:
 def _check_supported(q, k_pages) -> None:
     """Raises NotImplementedError naming the first limit the call is outside of.
 
-    Takes: bf16/f16 q with KV of the same dtype (no int8/fp8 KV yet); G = N / K from 1 to 64 (a
-    64-row tile holds at least one token of each of the G heads); head dims in HEAD_DIMS; pages of
-    8, 16, 32, 64 or 128 tokens (a kv step of max(64, R) <= 128 positions is whole pages, each a
-    TMA box with 8-row tiles), within the shared-memory budget at 2 pipeline stages.
+    Takes: bf16/f16 q with KV of the same dtype, or an int8 / e4m3 `QuantizedPages` cache; G = N / K from 1
+    to 64 (a 64-row tile holds at least one token of each of the G heads); head dims in HEAD_DIMS (a quantized
+    cache: those whose 8-bit rows are a multiple of 32 bytes, the narrowest swizzle, and pages of 32 tokens or
+    more: platform.QUANTIZED_KV_GPU_PAGE_SIZE); pages of 8, 16, 32, 64 or 128 tokens (a kv step of max(64, R) <= 128 positions is whole pages, each a TMA box with 8-row tiles),
+    within the shared-memory budget at 2 pipeline stages.
     """
     _, num_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
+    quantized = isinstance(k_pages, QuantizedPages)
     if num_heads % kv_heads or not 1 <= num_heads // kv_heads <= _MAX_GROUP:
         raise NotImplementedError(
             f"GPU kernel needs q heads a multiple of kv heads with 1 <= q heads per kv head <= "
             f"{_MAX_GROUP}, got {num_heads} q heads and {kv_heads} kv heads")
-    if q.dtype not in (jnp.bfloat16, jnp.float16) or k_pages.dtype != q.dtype:
+    if q.dtype not in (jnp.bfloat16, jnp.float16):
+        raise NotImplementedError(f"GPU kernel takes bf16/f16 q, got q {q.dtype}")
+    if quantized and jnp.dtype(k_pages.dtype) not in QUANTIZED_KV_DTYPES:
+        raise NotImplementedError(f"GPU kernel takes an int8 or float8_e4m3fn quantized cache, got {k_pages.dtype}")
+    if not quantized and k_pages.dtype != q.dtype:
         raise NotImplementedError(
-            f"GPU kernel takes bf16/f16 q and KV of the same dtype, got q {q.dtype}, "
-            f"KV {k_pages.dtype}; quantized or fp32 KV runs on impl='reference'")
+            f"GPU kernel takes KV of q's dtype or a quantized (int8 / fp8) cache, got q {q.dtype}, "
+            f"KV {k_pages.dtype}; fp32 KV runs on impl='reference'")
     if head_dim not in HEAD_DIMS:
         # wgmma N (the PV output width) is at most 256; each listed dim passed the GPU tests.
         raise NotImplementedError(f"head dim must be one of {HEAD_DIMS}, got {head_dim}")
+    if quantized and head_dim % 32:
+        raise NotImplementedError(f"a quantized cache needs a head dim that is a multiple of 32, got {head_dim}")
+    if quantized and page_size * 4 % 128:
+        raise NotImplementedError(
+            f"a quantized cache needs pages of at least 32 tokens here (each page's row of per-token scales is one "
+            f"TMA copy, which must be a multiple of 128 bytes), got {page_size}")
     if page_size % 8 or (page_size < 64 and 64 % page_size) or (
             page_size > 64 and (page_size % 64 or page_size > _MAX_BLOCK_KV)):
         raise NotImplementedError(f"page size must be 8, 16, 32, 64 or 128, got {page_size}")
     block_kv = max(64, page_size)
-    need = smem_bytes(head_dim, block_kv, 2, q.dtype.itemsize)
+    need = smem_bytes(head_dim, block_kv, 2, q.dtype.itemsize, jnp.dtype(k_pages.dtype).itemsize)
     if need > _SMEM_BUDGET:
         raise NotImplementedError(
             f"page size {page_size} with head dim {head_dim} needs {need // 1024} KB of shared "

@@ -69,6 +69,9 @@ def check_second_start(cache_dir, **kwargs) -> None:
     assert "programs_exported" not in second.runner.precompile_times
     assert greedy(second) == tokens
     assert second.stats()["num_compiles_after_warmup"] == 0
+    # What else reads the executables (llm.describe() counts the collectives in a decode program's HLO).
+    exe = next(iter(second.runner._executables.values()))
+    assert isinstance(exe, export_cache.FlatCompiled) and "HloModule" in exe.as_text()
 
     plain = start(None, **kwargs)
     assert plain.runner.precompile_times.get("programs_lowered") == times["executables"]

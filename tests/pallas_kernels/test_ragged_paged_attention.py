@@ -593,3 +593,82 @@ def test_xla_decode_step_runs_no_per_sequence_loop(rng):
     with unittest.mock.patch.object(xla, "attend_sequence", poisoned):
         got = xla.ragged_paged_attention(*batch.args(), **kwargs)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+# A quantized cache in the GPU kernel: codes streamed as stored, widened to bf16 in shared memory, each
+# position's scale on the logits (K) and on the probabilities (V).
+QUANTIZED_GPU_CASES = [(jnp.int8, 64, 32, 2), (jnp.float8_e4m3fn, 128, 32, 1), (jnp.int8, 96, 64, 3),
+                       (jnp.float8_e4m3fn, 64, 128, 4), (jnp.float8_e4m3fn, 256, 32, 8)]
+
+
+def _quantized_gpu_case(rng, kv_dtype, head_dim, page_size, group):
+    batch = _quantized_batch(rng, kv_dtype, num_heads=2 * group, kv_heads=2, head_dim=head_dim,
+                             page_size=page_size, max_pages=max(2, 128 // page_size), dtype=jnp.bfloat16,
+                             pad_tokens=2)
+    return batch, dict(sm_scale=head_dim ** -0.5, soft_cap=30.0 if group % 2 else None,
+                       sliding_window=20 if group == 3 else None)
+
+
+@pytest.mark.parametrize("kv_dtype,head_dim,page_size,group", QUANTIZED_GPU_CASES[:3])
+def test_gpu_kernel_in_interpret_mode_takes_quantized_pages(rng, kv_dtype, head_dim, page_size, group):
+    from pallas_kernels.ragged_paged_attention import gpu
+    batch, kwargs = _quantized_gpu_case(rng, kv_dtype, head_dim, page_size, group)
+    assert gpu.unsupported_reason(batch.q, batch.k_pages) is None
+    out = gpu.ragged_paged_attention(*batch.args(), **kwargs, interpret=True)
+    want = reference.ragged_paged_attention(*batch.args(), **kwargs)
+    real = batch.num_real_tokens
+    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+    assert relative_error(out[:real], want[:real].astype(jnp.float32)) < 2e-2
+
+
+def test_gpu_kernel_refuses_quantized_layouts_it_cannot_tile(rng):
+    from pallas_kernels.ragged_paged_attention import gpu
+    batch = _quantized_batch(rng, jnp.int8, num_heads=4, kv_heads=2, head_dim=80, page_size=16, max_pages=3,
+                             dtype=jnp.bfloat16)
+    assert "multiple of 32" in gpu.unsupported_reason(batch.q, batch.k_pages)
+    batch = _quantized_batch(rng, jnp.int8, num_heads=4, kv_heads=2, head_dim=64, page_size=16, max_pages=3,
+                             dtype=jnp.float32)
+    assert "bf16/f16 q" in gpu.unsupported_reason(batch.q, batch.k_pages)
+    batch = _quantized_batch(rng, jnp.int8, num_heads=4, kv_heads=2, head_dim=64, page_size=16, max_pages=3,
+                             dtype=jnp.bfloat16)
+    assert "at least 32 tokens" in gpu.unsupported_reason(batch.q, batch.k_pages)
+
+
+@pytest.mark.skipif(not _has_mosaic_gpu_bindings(),
+                    reason="needs the Mosaic GPU bindings (jax-cuda13-plugin) to lower for CUDA")
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn])
+@pytest.mark.parametrize("head_dim,page_size,num_tokens,num_seqs", [(64, 32, 64, 64), (128, 32, 64, 64),
+                                                                   (96, 64, 512, 2), (256, 32, 64, 64),
+                                                                   (128, 128, 64, 64)])
+def test_gpu_kernel_lowers_for_cuda_with_quantized_pages(kv_dtype, head_dim, page_size, num_tokens, num_seqs):
+    """As test_gpu_kernel_lowers_for_cuda, for an int8 / e4m3 cache (8-bit TMA boxes and swizzles, the
+    widening's layouts, the scales' copies and broadcasts, the shared-memory total)."""
+    import functools
+
+    from pallas_kernels.ragged_paged_attention import gpu
+    kv_heads, max_pages = 2, 4
+    num_pages = num_seqs * max_pages + 1
+    spec = jax.ShapeDtypeStruct
+    pages = reference.QuantizedPages(spec((num_pages, page_size, kv_heads, head_dim), kv_dtype),
+                                     spec((num_pages, kv_heads, page_size), jnp.float32))
+    args = (spec((num_tokens, 4 * kv_heads, head_dim), jnp.bfloat16), pages, pages,
+            spec((num_seqs,), jnp.int32), spec((num_seqs, max_pages), jnp.int32),
+            spec((num_seqs + 1,), jnp.int32), spec((1,), jnp.int32))
+    assert gpu.supported_config(args[0], pages)
+    fn = jax.jit(functools.partial(gpu.ragged_paged_attention, sm_scale=0.1, soft_cap=30.0))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kv_dtype,head_dim,page_size,group", QUANTIZED_GPU_CASES)
+def test_gpu_kernel_takes_quantized_pages(rng, kv_dtype, head_dim, page_size, group):
+    """impl="auto" on a GPU runs the kernel on an int8 / e4m3 cache (no fallback) and equals the reference."""
+    from pallas_kernels.ragged_paged_attention import gpu
+    batch, kwargs = _quantized_gpu_case(rng, kv_dtype, head_dim, page_size, group)
+    assert gpu.unsupported_reason(batch.q, batch.k_pages) is None
+    out = ragged_paged_attention(*batch.args(), **kwargs, impl="auto")
+    want = reference.ragged_paged_attention(*batch.args(), **kwargs)
+    real = batch.num_real_tokens
+    assert relative_error(out[:real], want[:real].astype(jnp.float32)) < 2e-2
+    assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
