@@ -6,7 +6,8 @@ the specification every other implementation is tested against. `interpret=True`
 Pallas interpret mode (works on CPU).
 
 On a GPU, "auto" never raises for a layout the reference can run: a call the GPU kernel does not
-take (`gpu.supported_config`: quantized or fp32 KV, an unusual page size or head dim) runs on the
+take (`gpu.supported_config`: fp32 KV, an unusual page size or head dim, a quantized cache with pages under
+32 tokens) runs on the
 reference, and a warning names the reason once per process and reason, not once per layer or step.
 """
 
