@@ -85,3 +85,11 @@ def test_moe_models_keep_multi_step_decode_on_accelerators() -> None:
     assert fit_to_model(chosen, moe=True)["single_step_max_rows"] == MOE_SINGLE_STEP_MAX_ROWS == 0
     given = fill_defaults({"single_step_max_rows": 8}, backend="gpu")  # passed explicitly: not among the chosen
     assert "single_step_max_rows" not in fit_to_model(given, moe=True)
+
+
+def test_a_quantized_kv_cache_on_a_gpu_defaults_to_32_token_pages() -> None:
+    """The GPU attention kernel copies each page's scale row by TMA (a multiple of 128 bytes: 32 fp32)."""
+    from jaxinfer.platform import default_page_size
+
+    assert default_page_size(True, "gpu") == 32
+    assert default_page_size(False, "gpu") == default_page_size(True, "cpu") == default_page_size(True, "tpu") == 16
