@@ -513,8 +513,9 @@ def _check_supported(q, k_pages) -> None:
     Takes: bf16/f16 q with KV of the same dtype, or an int8 / e4m3 `QuantizedPages` cache; G = N / K from 1
     to 64 (a 64-row tile holds at least one token of each of the G heads); head dims in HEAD_DIMS (a quantized
     cache: those whose 8-bit rows are a multiple of 32 bytes, the narrowest swizzle, and pages of 32 tokens or
-    more: platform.QUANTIZED_KV_GPU_PAGE_SIZE); pages of 8, 16, 32, 64 or 128 tokens (a kv step of max(64, R) <= 128 positions is whole pages, each a TMA box with 8-row tiles),
-    within the shared-memory budget at 2 pipeline stages.
+    more: platform.QUANTIZED_KV_GPU_PAGE_SIZE); pages of 8, 16, 32, 64 or 128 tokens (a kv step of
+    max(64, R) <= 128 positions is whole pages, each a TMA box with 8-row tiles), within the shared-memory
+    budget at 2 pipeline stages.
     """
     _, num_heads, head_dim = q.shape
     _, page_size, kv_heads, _ = k_pages.shape
