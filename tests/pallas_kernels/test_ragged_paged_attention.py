@@ -231,8 +231,9 @@ def test_gpu_supported_config_takes_every_group_and_head_dim():
 
 
 @pytest.mark.parametrize("q_shape,q_dtype,page_shape,kv_dtype,why", [
-    ((4, 8, 128), jnp.bfloat16, (9, 16, 2, 128), jnp.int8, "bf16/f16"),
-    ((4, 8, 128), jnp.bfloat16, (9, 16, 2, 128), jnp.float8_e4m3fn, "bf16/f16"),
+    # Plain 8-bit pages (one scale per tensor): the kernel reads only QuantizedPages (a scale per token).
+    ((4, 8, 128), jnp.bfloat16, (9, 16, 2, 128), jnp.int8, "KV of q's dtype"),
+    ((4, 8, 128), jnp.bfloat16, (9, 16, 2, 128), jnp.float8_e4m3fn, "KV of q's dtype"),
     ((4, 8, 128), jnp.float32, (9, 16, 2, 128), jnp.float32, "bf16/f16"),
     ((4, 8, 128), jnp.bfloat16, (9, 24, 2, 128), jnp.bfloat16, "page size"),
     ((4, 8, 128), jnp.bfloat16, (9, 4, 2, 128), jnp.bfloat16, "page size"),
@@ -299,7 +300,7 @@ def test_auto_on_gpu_falls_back_to_the_reference_and_warns_once_per_reason(rng, 
     assert "int8" in messages[0] and "page size must be" in messages[1]
     assert all("running the jnp reference" in m for m in messages)
     batch, kwargs = _build(rng, int8)
-    with pytest.raises(NotImplementedError, match="bf16/f16"):
+    with pytest.raises(NotImplementedError, match="KV of q's dtype or a quantized"):
         ragged_paged_attention(*batch.args(), **kwargs, impl="pallas_gpu")
 
 
