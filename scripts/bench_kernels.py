@@ -8,6 +8,9 @@ matmul rate first, then decode attention (64 seqs x 4k context, Llama-3-8B heads
 XLA-compiled reference and JAX's bundled kernels where they exist. Every section is independent: a
 failing one is logged and the rest still run. Prints a table last and writes JSON to --out.
 
+`--sections ceilings,kv8` times decode attention (64 x 4k, 32-token pages) over a bf16, an int8 and an e4m3
+cache (QuantizedPages), each against the bytes it stores.
+
 `--sections ceilings,heads` times our attention kernel alone over head layouts (not in the default
 set): decode 64 x 4k at G = 3, 4, 8, 16 and H = 64, 128, 256 (plus 80 and 96 at G = 3, 4) with 8 kv
 heads, and 4k prefill at G = 3, 4 and H = 64, 128; `ceilings` gives the % of copy bandwidth.
@@ -189,6 +192,32 @@ def make_decode_batch(key, num_seqs, ctx, page_size, q_tokens_per_seq=1, heads=L
     return q, k_pages, v_pages, kv_lens, table, cu, jnp.array([num_seqs], jnp.int32)
 
 
+def bench_quantized_kv(res: Results, num_seqs=64, ctx=4096, page_size=32, heads=LLAMA_HEADS):
+    """Decode attention over the same cache stored bf16, int8 and e4m3 (QuantizedPages, a scale per token and
+    head; 32-token pages, what a quantized cache gets on a GPU): time, and bandwidth over the bytes each
+    stores (codes + scales for the quantized ones)."""
+    q, k_pages, v_pages, kv_lens, table, cu, ns = make_decode_batch(jax.random.key(1), num_seqs, ctx, page_size,
+                                                                    heads=heads)
+    qs = [q * (i + 1) for i in range(3)]
+    scale = heads["head_dim"] ** -0.5
+    fn = jax.jit(lambda *a: rpa_gpu.ragged_paged_attention(*a, sm_scale=scale))
+    section = f"decode {num_seqs}x{ctx // 1024}k, R={page_size}"
+
+    def stored(pages, dtype):
+        if dtype is None:
+            return pages
+        p, r, k, h = pages.shape
+        values, scales = rpa_ref.quantize_kv(pages.reshape(p * r, k, h), dtype)  # [P*R, K, H], [P*R, K]
+        return rpa_ref.QuantizedPages(values.reshape(pages.shape), scales.reshape(p, r, k).transpose(0, 2, 1))
+
+    for name, dtype in (("bf16 KV", None), ("int8 KV", jnp.int8), ("fp8 KV", jnp.float8_e4m3fn)):
+        kp, vp = stored(k_pages, dtype), stored(v_pages, dtype)
+        kv_bytes = sum(leaf[1:].nbytes for leaf in jax.tree.leaves((kp, vp)))  # page 0 is never read
+        sets = [(qi, kp, vp, kv_lens, table, cu, ns) for qi in qs]
+        res.run(section, name, lambda sets=sets, name=name, kv_bytes=kv_bytes: res.add(
+            section, f"ours {name}", time_fn(fn, sets), bytes_moved=kv_bytes))
+
+
 def bench_attention(res: Results, section, num_seqs, ctx, page_size, q_tokens_per_seq,
                     heads=LLAMA_HEADS, baselines=True):
     """Our kernel on one batch shape; with `baselines`, also its tuning variants, the XLA reference
@@ -323,6 +352,8 @@ def main():
             bench_attention(res, "decode 64x4k", 64, 4096, page_size, 1)
     if "prefill" in sections:
         bench_attention(res, "prefill 4k", 1, 4096, 64, 4096)
+    if "kv8" in sections:
+        bench_quantized_kv(res)
     if "heads" in sections:
         bench_head_layouts(res)
     if "matmul" in sections:
