@@ -13,7 +13,7 @@ Sections, in order (`--sections` picks some; the JSON is rewritten after each, s
 it measured, and a second call with `--sections ... --out` of the same file adds to it):
   ceilings  copy bandwidth (best of plain XLA passes and a plain copy) and the bf16 8192^3 matmul rate;
   kernels   the Llama-3-8B weight set (32 layers of qkv, o, gate, up, down) streamed through one matvec
-            each in one jit, M = 1, for bf16 / int8 (per channel) / int4 (groups of 32 with zero points, as
+            each in one jit, M = 1, for bf16 / int8 (per channel; and in groups of 128 and 32) / int4 (groups of 32 with zero points, as
             quantization="int4" stores it; and groups of 128): int8's % of copy bandwidth and int4's tokens/s
             over int8's; fp8 W8A8 against bf16 at M = 256, 1024, 4096 on
             4096 x 14336 (each against the same bf16 product and against the 8192^3 rate);
@@ -120,7 +120,8 @@ def m1_kernels(s: dict[str, Any], copy_bw: float) -> dict[str, Any]:
     """The weight set at M = 1 for bf16, int8 per channel and int4 with zero points in groups of 32 / 128."""
     from pallas_kernels.quantized_matmul import quantize_weights, quantized_matmul
 
-    formats = {"bf16": None, "int8": dict(bits=8), "int4": dict(bits=4, group_size=32, zero_point=True),
+    formats = {"bf16": None, "int8": dict(bits=8), "int8_g128": dict(bits=8, group_size=128),
+               "int8_g32": dict(bits=8, group_size=32), "int4": dict(bits=4, group_size=32, zero_point=True),
                "int4_g128": dict(bits=4, group_size=128, zero_point=True)}
     out = {}
     for name, fmt in formats.items():

@@ -25,6 +25,8 @@ MODES = (
     ("float32", dict(quantization="none")),
     ("gguf (auto)", dict(quantization="auto")),
     ("int8", dict(quantization="int8")),
+    ("int8 g128", dict(quantization="int8:128")),
+    ("int8 g32", dict(quantization="int8:32")),
     ("int4", dict(quantization="int4")),
     ("fp8", dict(quantization="fp8")),
     ("int8 KV", dict(quantization="none", kv_cache_dtype="int8")),
