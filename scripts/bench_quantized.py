@@ -86,9 +86,20 @@ def ceilings(s: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- kernels
 
 
+# The weight-only formats the sweeps time: int8 per channel, int4 as quantization="int4" stores it (groups of 32
+# with zero points) and int4 in groups of 128.
+WEIGHT_ONLY_FORMATS = {"int8": dict(bits=8), "int4": dict(bits=4, group_size=32, zero_point=True),
+                       "int4_g128": dict(bits=4, group_size=128, zero_point=True)}
+
+
+def layer_shapes(s: dict[str, Any]) -> list[tuple[int, int]]:
+    """One layer's matrices as [K, N]: qkv [D, QKV], o [D, D], gate and up [D, F], down [F, D]."""
+    return [(s["d"], s["qkv"]), (s["d"], s["d"]), (s["d"], s["f"]), (s["d"], s["f"]), (s["f"], s["d"])]
+
+
 def weight_set(s: dict[str, Any], quantize: Callable[[jax.Array], Any]) -> list[Any]:
     """One decode token's matrices, [K, N] each: per layer qkv [D, QKV], o [D, D], gate/up [D, F], down [F, D]."""
-    shapes = [(s["d"], s["qkv"]), (s["d"], s["d"]), (s["d"], s["f"]), (s["d"], s["f"]), (s["f"], s["d"])]
+    shapes = layer_shapes(s)
     out = []
     for layer in range(s["layers"]):
         for i, (k, n) in enumerate(shapes):
@@ -169,10 +180,7 @@ def kernels(s: dict[str, Any], ceil: dict[str, Any]) -> dict[str, Any]:
 
 def _device_seconds(fn: Callable[..., Any], arg_sets: list[tuple]) -> float:
     """Device seconds per call (profiler trace; bench_kernels.time_fn), so short kernels are not host dispatch."""
-    import sys
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from bench_kernels import time_fn
+    from bench_kernels import time_fn  # scripts/ is the script's own directory, first on sys.path
 
     return time_fn(fn, arg_sets)["device"]
 
@@ -182,9 +190,8 @@ def _m1_tilings(s: dict[str, Any], copy_bw: float) -> list[dict[str, Any]]:
     serves nothing) for each format x K step x stages x split-K factor; XLA's dequantize-then-dot beside them."""
     from pallas_kernels.quantized_matmul import dequantize_weights, gpu, quantize_weights
 
-    shapes = [(s["d"], s["qkv"]), (s["d"], s["d"]), (s["d"], s["f"]), (s["d"], s["f"]), (s["f"], s["d"])]
-    formats = {"int8": dict(bits=8), "int4": dict(bits=4, group_size=32, zero_point=True),
-               "int4_g128": dict(bits=4, group_size=128, zero_point=True)}
+    shapes = layer_shapes(s)
+    formats = WEIGHT_ONLY_FORMATS
     grid = {"int8": [(tk, st, f) for tk in (256, 512, 1024) for st in (4, 8) for f in (0.5, 1, 2)],
             "int4": [(tk, st, f) for tk, st in ((512, 4), (1024, 4), (1024, 8), (2048, 4)) for f in (0.5, 1)]}
     rows = []
@@ -275,9 +282,8 @@ def _m_scale(s: dict[str, Any], bf16_rate: float) -> list[dict[str, Any]]:
     kernel's time crosses the dequantize + dot line is the M from which quantized_matmul takes the latter."""
     from pallas_kernels.quantized_matmul import dequantize_weights, gpu, quantize_weights
 
-    shapes = [(s["d"], s["qkv"]), (s["d"], s["d"]), (s["d"], s["f"]), (s["d"], s["f"]), (s["f"], s["d"])]
-    formats = {"int8": dict(bits=8), "int4": dict(bits=4, group_size=32, zero_point=True),
-               "int4_g128": dict(bits=4, group_size=128, zero_point=True)}
+    shapes = layer_shapes(s)
+    formats = WEIGHT_ONLY_FORMATS
     floats = [[jax.random.normal(jax.random.key(31 * r + i), (k, n), jnp.bfloat16) * 0.02
                for i, (k, n) in enumerate(shapes)] for r in range(2)]
     quantized = {name: [[quantize_weights(w, **fmt) for w in ws] for ws in floats] for name, fmt in formats.items()}
