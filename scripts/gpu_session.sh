@@ -46,6 +46,9 @@
 #   q_kernels, q_decode, q_offline   bench_quantized.py's kernels / decode / offline sections, each adding to
 #                $OUT/quantized.json (issue 15's GPU figures; run q_kernels first, it measures the ceilings);
 #                Q_ONLY=a,b passes --only (decode formats, offline run keys)
+#   xla_flags    scripts/ab_xla_flags.py: decode (end to end and device only) under each of XF_SETS (XLA_FLAGS values
+#                separated by ';', an empty one for the defaults), one process each; XF_ARGS go to jaxinfer bench
+#                (default: Llama-3-8B, batches 1 and 64): $OUT/xla_flags.jsonl
 #   ab_b1        batch-1 decode (end to end and device only) of .ab_old (a git worktree, carried) and this tree,
 #                alternating twice: $OUT/ab_b1.jsonl
 #   ab_grid      issue 12's TP=1 bar: the run of record's fixed grids and decode at batch 1 through the public
@@ -166,6 +169,12 @@ print(f(llm.describe()))' ;;
     q_offline)
       run q_offline 550 python3 scripts/bench_quantized.py --sections offline --out "$OUT/quantized.json" \
         ${Q_ONLY:+--only "$Q_ONLY"} ;;
+    xla_flags)
+      IFS=';' read -r -a sets <<<"${XF_SETS:-}"
+      flag_args=(); for f in "${sets[@]:-}"; do flag_args+=("--flags=$f"); done
+      # shellcheck disable=SC2086 - XF_ARGS is a list of bench arguments
+      run xla_flags 590 python3 scripts/ab_xla_flags.py --out "$OUT/xla_flags.jsonl" --timeout "${XF_TIMEOUT:-250}" \
+        "${flag_args[@]}" -- ${XF_ARGS:---model llama-3-8b --memory-fraction 0.85 --decode-batches 1 64 --max-num-seqs 64 --max-num-batched-tokens 512} ;;
     ab_b1)
       run ab_b1 590 python3 scripts/ab_bench.py --trees .ab_old . --repeats 2 --out "$OUT/ab_b1.jsonl" -- \
         --hf skip --memory-fraction 0.85 --sections decode decode_device --decode-batches 1 ;;
