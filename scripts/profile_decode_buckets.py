@@ -30,10 +30,12 @@ def time_bucket(llm: LLM, rows: int, real: int, ctx: int, steps: int, calls: int
     plan = engine.scheduler.schedule()
     slots = engine._slot_rows(plan)
     shape = engine.decode_shape(rows)
-    args = runner.place(engine._decode_args(shape, plan.seqs, [], slots, steps))
+    host_args = engine._decode_args(shape, plan.seqs, [], slots, steps)
+    args, branch_free = runner.place(host_args), runner.takes_branch_free(host_args[1].sampling)  # as the engine
 
     def call():
-        engine.penalties, out = runner.decode_steps(engine.penalties, *args, max_steps=engine.decode_steps_per_call)
+        engine.penalties, out = runner.decode_steps(engine.penalties, *args, max_steps=engine.decode_steps_per_call,
+                                                    branch_free=branch_free)
         return out
 
     jax.block_until_ready(call())

@@ -96,11 +96,14 @@ def main() -> None:
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--min-gap-us", type=float, default=50.0)
     p.add_argument("--decode-steps-per-call", type=int, default=8)
+    p.add_argument("--memory-fraction", type=float, default=0.5)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--out", default="trace_engine.json")
     args = p.parse_args()
     out = Path(args.out)
     llm = LLM(args.model, random_weights=True, dtype="bfloat16", max_num_seqs=max(16, args.batch),
-              max_num_batched_tokens=4096, max_model_len=args.ctx + 512, memory_fraction=0.5,
+              max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.ctx + 512,
+              memory_fraction=args.memory_fraction,
               decode_steps_per_call=args.decode_steps_per_call, use_tqdm=False)
     result = {"batch": args.batch, "ctx": args.ctx}
     for label, overlap in (("sync", False), ("overlap", True)):

@@ -214,7 +214,8 @@ def decode_device_profile(llm: Any, cost: ModelCost, batch: int, ctx: int, copy_
         return out
 
     def run_multi() -> Any:
-        engine.penalties, out = runner.decode_steps(engine.penalties, *decode_args, max_steps=n)
+        engine.penalties, out = runner.decode_steps(engine.penalties, *decode_args, max_steps=n,
+                                                    branch_free=runner.takes_branch_free(decode_args[1].sampling))
         return out
 
     def per_call(fn: Callable[[], Any]) -> float:

@@ -167,9 +167,10 @@ class DecodeLoop:
         is handed over and comes back when the call is awaited (`_await`)."""
         penalties, self.engine.penalties = self.engine.penalties, None
         # Transfer the host arrays here: the launcher thread then needs the GIL only briefly, to enter the call.
-        placed = self.engine.runner.place((batch, inputs, decode))
-        launched = self.launcher.submit(
-            self.engine.runner.decode_steps, penalties, *placed, max_steps=self.steps_per_call)
+        runner = self.engine.runner
+        placed = runner.place((batch, inputs, decode))
+        launched = self.launcher.submit(runner.decode_steps, penalties, *placed, max_steps=self.steps_per_call,
+                                        branch_free=runner.takes_branch_free(inputs.sampling))
         return _InFlight(plan, num_iterations, inputs, decode, launched)
 
     def _await(self, call: _InFlight) -> MultiStepOutput:

@@ -218,6 +218,9 @@ class Engine:
             for rows in self.decode_row_buckets:
                 args = self._decode_args(self.decode_shape(rows), [], [], [], 0)
                 calls.append(("decode", (self.penalties, *args), {"max_steps": self.decode_steps_per_call}))
+                if self.runner.branch_free_sampler:  # GPU: the build without conds (runner.takes_branch_free)
+                    calls.append(("decode", (self.penalties, *args),
+                                  {"max_steps": self.decode_steps_per_call, "branch_free": True}))
         with tqdm(total=1, desc=f"compiling {len(calls)} buckets", disable=not self.use_tqdm, leave=False):
             self.runner.precompile(calls, self.compile_threads)
             if draft_calls:

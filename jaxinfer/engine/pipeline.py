@@ -39,7 +39,7 @@ from jaxinfer.engine.batcher import BatchShape
 from jaxinfer.engine.decode_loop import HANDOFF_SWITCH_INTERVAL_S
 from jaxinfer.engine.page_table import TRASH_PAGE
 from jaxinfer.engine.runner import ForwardInputs, SampleInputs, StepBatch, StepLogits
-from jaxinfer.engine.sampling import PenaltyState, PromptLogprobs, SamplerOutput, branch_free_applies
+from jaxinfer.engine.sampling import PenaltyState, PromptLogprobs, SamplerOutput
 from jaxinfer.engine.scheduler import ScheduledSeq, StepPlan
 from jaxinfer.outputs import RequestOutput
 
@@ -126,7 +126,7 @@ class StepPipeline:
         engine = self.engine
         t = time.perf_counter()
         # No branch in the sampler, where it would hold up the launch of the next forward (sampling._when).
-        branch_free = engine.runner.branch_free_sampler and branch_free_applies(inputs.sampling)
+        branch_free = engine.runner.takes_branch_free(inputs.sampling)
         placed = engine.runner.place((inputs.sampling, inputs.slots, inputs.sample_mask))
         # Prompt logprobs are [T, K] per step: computed (and copied to the host) only in steps that ask.
         prompt_ids = engine.runner.place(inputs.prompt_next_ids) if inputs.want_prompt_logprobs else None

@@ -44,6 +44,7 @@ from jaxinfer.engine.sampling import (
     SamplerOutput,
     SamplingArrays,
     VocabShards,
+    branch_free_applies,
     compute_prompt_logprobs,
     sample,
     set_rows,
@@ -208,10 +209,15 @@ class ModelRunner:
         # `branch_free`), for the steps it serves: there a cond makes the host wait for the device (see
         # `sampling._when`). Elsewhere a cond costs no host round trip, and one build serves every step.
         self.branch_free_sampler = mesh.devices.flat[0].platform == "gpu"
+        # The multi-step loop has the same second build (`branch_free`), for calls whose rows all pass
+        # `branch_free_applies`: each cond in the loop body made the host wait for the device in every
+        # iteration, and the host then launched the rest of the iteration (a CUDA graph) onto an idle GPU. On an
+        # H100, one branch-free iteration took 6.3 instead of 7.1 ms at batch 1 (Llama-3-8B) and 6.6 instead of
+        # 7.4 ms (Qwen3-30B-A3B), and a batch-64 step 11.9 instead of 14.1 ms end to end (docs/PERFORMANCE.md).
         self._decode_steps = jax.jit(
             functools.partial(self._decode_steps_impl, attn_fn=attn_fn),
             donate_argnums=(1, 2),
-            static_argnames=("max_steps",),
+            static_argnames=("max_steps", "branch_free"),
         )
         self._verify_step = jax.jit(
             functools.partial(self._verify_step_impl, attn_fn=attn_fn), donate_argnums=(1, 2)
@@ -350,7 +356,7 @@ class ModelRunner:
 
     def _decode_steps_impl(
         self, weights: Any, kv_cache: KVCache, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs,
-        decode: DecodeInputs, *, attn_fn: Any, max_steps: int,
+        decode: DecodeInputs, *, attn_fn: Any, max_steps: int, branch_free: bool = False,
     ) -> tuple[KVCache, PenaltyState, MultiStepOutput]:
         self._count_compile()
         kv_cache = copy_pages(kv_cache, inputs.copy_src, inputs.copy_dst)
@@ -363,7 +369,7 @@ class ModelRunner:
         )
 
         def body(carry: _DecodeCarry, i: jax.Array) -> tuple[_DecodeCarry, tuple[SamplerOutput, jax.Array]]:
-            return self._decode_iteration(weights, carry, i, batch.md, decode, attn_fn)
+            return self._decode_iteration(weights, carry, i, batch.md, decode, attn_fn, branch_free)
 
         carry, (sampled, valid) = jax.lax.scan(body, carry, jnp.arange(max_steps))  # outputs [N, S, ...]
         penalties = set_rows(penalties, inputs.slots, carry.rows)
@@ -374,13 +380,15 @@ class ModelRunner:
 
     def _decode_iteration(
         self, weights: Any, c: _DecodeCarry, i: jax.Array, md0: AttentionMetadata, decode: DecodeInputs,
-        attn_fn: Any,
+        attn_fn: Any, branch_free: bool = False,
     ) -> tuple[_DecodeCarry, tuple[SamplerOutput, jax.Array]]:
-        """One masked iteration: rows generate only while active and i < num_steps (see the module doc)."""
+        """One masked iteration: rows generate only while active and i < num_steps (see the module doc);
+        `branch_free`: the sampler without `lax.cond` (`sampling.sample`)."""
         live = c.active & (i < decode.num_steps)  # [S]
         md = decode_metadata(c.positions, live, md0.page_indices, md0.num_seqs, c.kv_cache.page_size)
         hidden, kv_cache, counts = self._forward(weights, c.tokens, md, c.kv_cache, attn_fn)  # [S, D]
-        out = sample(self.family.compute_logits(weights, self.cfg, hidden), c.sampling, c.rows, vocab=self.vocab)
+        out = sample(self.family.compute_logits(weights, self.cfg, hidden), c.sampling, c.rows, vocab=self.vocab,
+                     branch_free=branch_free)
         rows = update_output_counts(c.rows, out.tokens, live)
         # `step` counts tokens generated before this one, so this token is number step + 1.
         hit_stop = jnp.any(out.tokens[:, None] == decode.stop_ids, axis=-1)  # [S]
@@ -394,13 +402,22 @@ class ModelRunner:
         return nxt, (out, live)
 
     def decode_steps(
-        self, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs, decode: DecodeInputs, max_steps: int
+        self, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs, decode: DecodeInputs, max_steps: int,
+        branch_free: bool = False,
     ) -> tuple[PenaltyState, MultiStepOutput]:
-        """Up to `max_steps` decode iterations in one call; `batch` holds one token per row (T == S)."""
+        """Up to `max_steps` decode iterations in one call; `batch` holds one token per row (T == S).
+        `branch_free` where `takes_branch_free` says so for the call's host sampling arrays."""
         self.kv_cache, penalties, out = self._dispatch(
-            "decode", (self.weights, self.kv_cache, penalties, batch, inputs, decode), {"max_steps": max_steps}
+            "decode", (self.weights, self.kv_cache, penalties, batch, inputs, decode),
+            {"max_steps": max_steps, **({"branch_free": True} if branch_free else {})},
         )
         return penalties, out
+
+    def takes_branch_free(self, sampling: SamplingArrays) -> bool:
+        """Whether a call over these host sampling arrays runs the sampler's branch-free build (single step or
+        multi-step loop): on GPUs, where a `lax.cond` costs a host round trip, when no row needs a pass that
+        stays behind a cond (`sampling.branch_free_applies`)."""
+        return self.branch_free_sampler and branch_free_applies(sampling)
 
     def step(self, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs) -> tuple[PenaltyState, StepOutput]:
         """Forward + sampling (+ prompt logprobs when `inputs` asks); the cache and the penalty state are updated

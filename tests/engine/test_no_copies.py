@@ -51,7 +51,8 @@ def _compiled(family, cfg, attention_impl: str, dtype=jnp.float32, single_step: 
     for rows in decode_rows:  # the 1-row bucket's cache write is a dynamic-update-slice, the others' a scatter
         decode = (runner.weights, runner.kv_cache, engine.penalties,
                   *engine._decode_args(engine.decode_shape(rows), [], [], [], 0))
-        texts.append(runner._decode_steps.lower(*decode, max_steps=8).compile().as_text())
+        for branch_free in (False, True):  # both builds of the loop (runner.takes_branch_free)
+            texts.append(runner._decode_steps.lower(*decode, max_steps=8, branch_free=branch_free).compile().as_text())
     return texts, _big_sizes(runner)
 
 

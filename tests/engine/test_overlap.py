@@ -136,3 +136,44 @@ def test_decode_row_buckets_add_one_and_a_half_steps_above_64() -> None:
     rows = {n: engine.decode_shape(n).seqs for n in (1, 2, 16, 17, 64, 65, 96, 97, 129, 192, 193, 256)}
     assert rows == {1: 1, 2: 16, 16: 16, 17: 32, 64: 64, 65: 96, 96: 96, 97: 128, 129: 192, 192: 192, 193: 256,
                     256: 256}
+
+
+def test_branch_free_multi_step_build_changes_no_token_and_has_no_conditional(monkeypatch) -> None:
+    """The GPU's multi-step loop without `lax.cond` in its body (forced here on CPU) gives the branching build's
+    tokens, finish reasons and logprobs for batches `branch_free_applies` to (greedy and seeded rows, penalties,
+    min-p, min_tokens, device and host stops), compiles at warmup, and has no conditional in its program; a
+    batch with a top-p row or top logprobs keeps the branching build."""
+    ps = prompts(6, seed=4)
+    free_params = [dataclasses.replace(p, top_p=1.0, logprobs=0) for p in mixed_params([])[:6]]
+    free_params[3] = dataclasses.replace(free_params[3], min_p=0.05)
+    calls: list[bool] = []
+    run = runner(1)  # make_engine's (the cache keys on the argument as passed)
+    decode_steps = run.decode_steps
+
+    def recorded(*args, branch_free=False, **kwargs):
+        calls.append(branch_free)
+        return decode_steps(*args, branch_free=branch_free, **kwargs)
+
+    monkeypatch.setattr(run, "decode_steps", recorded)
+    results = {}
+    for branch_free in (False, True):
+        monkeypatch.setattr(run, "branch_free_sampler", branch_free)
+        engine = make_engine(True)
+        out = engine.generate(ps, free_params)
+        results[branch_free] = [(o.outputs[0].token_ids, str(o.outputs[0].finish_reason),
+                                 o.outputs[0].cumulative_logprob) for o in out]
+        assert calls and all(c == branch_free for c in calls)
+        assert engine.stats()["num_compiles_after_warmup"] == 0
+        calls.clear()
+    for (ids_a, why_a, lp_a), (ids_b, why_b, lp_b) in zip(results[True], results[False]):
+        assert ids_a == ids_b and why_a == why_b
+        assert lp_a == pytest.approx(lp_b, rel=1e-5, abs=1e-5)
+
+    engine.generate(ps[:2], [SamplingParams(temperature=0.9, top_p=0.8, seed=1, max_tokens=12, ignore_eos=True),
+                             SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)])
+    assert calls and not any(calls)  # top-p and top logprobs: the branching build
+    decode = (run.weights, run.kv_cache, engine.penalties,
+              *engine._decode_args(engine.decode_shape(4), [], [], [], 0))
+    texts = {bf: run._decode_steps.lower(*decode, max_steps=STEPS, branch_free=bf).compile().as_text()
+             for bf in (False, True)}
+    assert " conditional(" in texts[False] and " conditional(" not in texts[True]
