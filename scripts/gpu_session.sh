@@ -46,6 +46,8 @@
 #   q_kernels, q_decode, q_offline   bench_quantized.py's kernels / decode / offline sections, each adding to
 #                $OUT/quantized.json (issue 15's GPU figures; run q_kernels first, it measures the ceilings);
 #                Q_ONLY=a,b passes --only (decode formats, offline run keys)
+#   ab_decode_grid  decode (batch 1 and 64, end to end and device only) and the 1000/1000 and 128/128 grids of
+#                .ab_old (a git worktree, carried) and then this tree: $OUT/ab_decode_grid.jsonl
 #   xla_flags    scripts/ab_xla_flags.py: decode (end to end and device only) under each of XF_SETS (XLA_FLAGS values
 #                separated by ';', an empty one for the defaults), one process each; XF_ARGS go to jaxinfer bench
 #                (default: Llama-3-8B, batches 1 and 64): $OUT/xla_flags.jsonl
@@ -169,6 +171,10 @@ print(f(llm.describe()))' ;;
     q_offline)
       run q_offline 550 python3 scripts/bench_quantized.py --sections offline --out "$OUT/quantized.json" \
         ${Q_ONLY:+--only "$Q_ONLY"} ;;
+    ab_decode_grid)
+      run ab_decode_grid 590 python3 scripts/ab_bench.py --trees .ab_old . --repeats 1 --out "$OUT/ab_decode_grid.jsonl" \
+        -- --hf skip --memory-fraction 0.85 --sections decode decode_device grid --decode-batches 1 64 \
+        --grid 1000x1000:192 128x128:256 ;;
     xla_flags)
       IFS=';' read -r -a sets <<<"${XF_SETS:-}"
       flag_args=(); for f in "${sets[@]:-}"; do flag_args+=("--flags=$f"); done
