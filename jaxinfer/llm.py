@@ -384,6 +384,12 @@ class LLM:
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
 
+    def wait_for_background_compile(self, timeout: float | None = None) -> bool:
+        """Block until the programs warmup compiles after the first token are ready (on a GPU, the decode
+        loop's build without branches: until then decode runs the other one). Benchmarks of steady-state speed
+        call this first. True when nothing is left compiling."""
+        return self.engine.wait_for_background_compile(timeout)
+
     def engine_stats(self) -> dict[str, Any]:
         """The engine's statistics, plus `weight_bytes` and `kv_cache_bytes`: device bytes actually held by
         the weights and the KV cache, summed over every device of every replica."""

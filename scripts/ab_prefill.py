@@ -62,8 +62,10 @@ def tuned_llm(model: str):
     """The bench's tuned engine (jaxinfer bench's defaults for the run of record)."""
     from jaxinfer import LLM
 
-    return LLM(model, random_weights=True, dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=4096,
-               max_model_len=4112, decode_steps_per_call=8, memory_fraction=0.85, use_tqdm=False)
+    llm = LLM(model, random_weights=True, dtype="bfloat16", max_num_seqs=256, max_num_batched_tokens=4096,
+              max_model_len=4112, decode_steps_per_call=8, memory_fraction=0.85, use_tqdm=False)
+    llm.wait_for_background_compile()  # steady-state speed
+    return llm
 
 
 def sharegpt(args: argparse.Namespace) -> None:

@@ -313,7 +313,9 @@ def build(s: dict[str, Any], smoke: bool, **kwargs: Any) -> Any:
     from jaxinfer import LLM
 
     dtype = "float32" if smoke else "bfloat16"
-    return LLM(s["model"], random_weights=True, dtype=dtype, use_tqdm=False, **s["engine"], **kwargs)
+    llm = LLM(s["model"], random_weights=True, dtype=dtype, use_tqdm=False, **s["engine"], **kwargs)
+    llm.wait_for_background_compile()  # steady-state speed: every build warmup compiles, in place
+    return llm
 
 
 def in_child(section: str, name: str, smoke: bool) -> dict[str, Any]:

@@ -69,6 +69,7 @@ def main() -> None:
     args = p.parse_args()
     llm = LLM(args.model, random_weights=True, dtype=args.dtype, max_num_seqs=64, max_model_len=args.ctx + 256,
               decode_steps_per_call=args.steps, use_tqdm=False, memory_fraction=0.5)
+    llm.wait_for_background_compile()  # steady-state speed
     results = []
     for rows in args.rows:
         results.append(time_bucket(llm, rows, 1, args.ctx, args.steps, args.calls))
@@ -76,10 +77,13 @@ def main() -> None:
             results.append(time_bucket(llm, rows, rows, args.ctx, args.steps, args.calls))
         print(json.dumps({k: v for k, v in results[-1].items() if k != "kernels"}), flush=True)
     if args.hlo_dir:
-        decodes = [exe for key, exe in llm.engine.runner._executables.items() if key[0] == "decode"]
-        for rows, exe in zip(llm.engine.decode_row_buckets, decodes):  # warmup compiles them in this order
-            if rows in args.rows:
-                Path(args.hlo_dir, f"decode_rows{rows}.hlo.txt").write_text(exe.as_text())
+        for branch_free in (False, True):  # runner.takes_branch_free: the two builds of the loop (GPU)
+            decodes = [exe for key, exe in llm.engine.runner._executables.items()
+                       if key[0] == "decode" and dict(key[2]).get("branch_free", False) == branch_free]
+            for rows, exe in zip(llm.engine.decode_row_buckets, decodes):  # warmup compiles them in this order
+                if rows in args.rows:
+                    name = f"decode_rows{rows}{'_branch_free' if branch_free else ''}.hlo.txt"
+                    Path(args.hlo_dir, name).write_text(exe.as_text())
     Path(args.out).write_text(json.dumps(results, indent=1))
     for r in results:
         k = r["kernels"]

@@ -105,6 +105,7 @@ def main() -> None:
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.ctx + 512,
               memory_fraction=args.memory_fraction,
               decode_steps_per_call=args.decode_steps_per_call, use_tqdm=False)
+    llm.wait_for_background_compile()  # steady-state speed
     result = {"batch": args.batch, "ctx": args.ctx}
     for label, overlap in (("sync", False), ("overlap", True)):
         llm.engine.loop.overlap = overlap

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from concurrent import futures
@@ -167,6 +168,7 @@ class Engine:
         self._token_texts = TokenTexts(tokenizer)  # Logprob.decoded_token, decoded once per id
         self.num_failed_steps = 0  # device calls that raised (their requests failed, the engine was reset)
         self._compiles_at_warmup: int | None = None
+        self._background_compile: threading.Thread | None = None  # see warmup
         self.num_steps = 0
         self.expert_counts = np.zeros(runner.num_experts, np.int64)  # MoE load: (token, expert) pairs so far
         self.spec = _speculator(self, speculative, draft_runner)
@@ -214,19 +216,34 @@ class Engine:
         if self.spec is not None:
             verify_calls, draft_calls = self.spec.warmup_calls()
             calls.extend(verify_calls)
+        # On a GPU each decode bucket also has a build without conds (runner.takes_branch_free). It only makes
+        # some calls faster, so it compiles after the first token, in the background (runner.precompile_in_
+        # background): both builds at warmup took an H100's cold start of Llama-3-8B from 50 to 70 s. With
+        # several processes every one must run the same programs in the same order, so there it compiles now.
+        later: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
         if self.decode_steps_per_call > 1:
             for rows in self.decode_row_buckets:
                 args = self._decode_args(self.decode_shape(rows), [], [], [], 0)
                 calls.append(("decode", (self.penalties, *args), {"max_steps": self.decode_steps_per_call}))
-                if self.runner.branch_free_sampler:  # GPU: the build without conds (runner.takes_branch_free)
-                    calls.append(("decode", (self.penalties, *args),
-                                  {"max_steps": self.decode_steps_per_call, "branch_free": True}))
+                if self.runner.branch_free_sampler:
+                    (calls if jax.process_count() > 1 else later).append(
+                        ("decode", (self.penalties, *args), {"max_steps": self.decode_steps_per_call,
+                                                             "branch_free": True}))
         with tqdm(total=1, desc=f"compiling {len(calls)} buckets", disable=not self.use_tqdm, leave=False):
             self.runner.precompile(calls, self.compile_threads)
             if draft_calls:
                 self.spec.draft.runner.precompile(draft_calls, self.compile_threads)
         self.penalties = self._reset_rows(self.penalties, *self._reset_args([]))  # also compiled up front
         self._compiles_at_warmup = self.num_compiles
+        if later:
+            self._background_compile = self.runner.precompile_in_background(later, self.compile_threads)
+
+    def wait_for_background_compile(self, timeout: float | None = None) -> bool:
+        """Block until the programs warmup left to the background are compiled (measurements of steady-state
+        speed start after this); True when none is left."""
+        if self._background_compile is not None:
+            self._background_compile.join(timeout)
+        return self._background_compile is None or not self._background_compile.is_alive()
 
     def add_request(
         self, prompt: Any, params: SamplingParams | None = None, *, request_id: str | None = None,
@@ -488,6 +505,8 @@ class Engine:
         stats = dict(self.scheduler.stats())
         after = None if self._compiles_at_warmup is None else self.num_compiles - self._compiles_at_warmup
         stats.update(num_compiles_after_warmup=after, num_compiles=self.num_compiles, num_steps=self.num_steps,
+                     num_background_compiles=self.runner.num_background_compiles,
+                     background_compile_pending=not self.wait_for_background_compile(0),
                      num_overlapped_calls=self.loop.num_overlapped_calls,
                      num_pipelined_steps=self.pipeline.num_pipelined_steps, num_failed_steps=self.num_failed_steps,
                      step_time_s=dict(self.times.seconds))

@@ -105,6 +105,9 @@ class DataParallelEngines:
         for engine in self.engines:  # compiles in parallel inside each engine already
             engine.warmup()
 
+    def wait_for_background_compile(self, timeout: float | None = None) -> bool:
+        return all([e.wait_for_background_compile(timeout) for e in self.engines])
+
     def stats(self) -> dict[str, Any]:
         """Counts summed over replicas, rates averaged, and each replica's own stats under `replicas`."""
         per = [e.stats() for e in self.engines]

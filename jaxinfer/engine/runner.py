@@ -22,6 +22,7 @@ import functools
 import os
 import threading
 import time
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -176,7 +177,11 @@ class ModelRunner:
         self.vocab = VocabShards(mesh, vocab_axes) if vocab_axes is not None else None
         self.attention_impl = resolve_impl(attention_impl)
         self.num_compiles = 0
+        self.num_background_compiles = 0  # programs traced by `precompile_in_background`
         self._trace_lock = threading.Lock()
+        self._in_background = threading.local()  # set on the thread of `precompile_in_background`
+        self._deferred: set[tuple[Any, ...]] = set()  # keys of programs that thread has yet to hand over
+        self.background_compile_times: dict[str, float] = {}
         self.transfer = Transfer(replicated(mesh))  # each step's small host arrays in a few copies
         # Executables compiled ahead of time by `precompile`, keyed by entry point and input shapes.
         self._executables: dict[tuple[Any, ...], Any] = {}
@@ -268,7 +273,10 @@ class ModelRunner:
 
     def _count_compile(self) -> None:
         with self._trace_lock:  # called only while tracing, i.e. once per new bucket shape
-            self.num_compiles += 1
+            if getattr(self._in_background, "on", False):
+                self.num_background_compiles += 1
+            else:
+                self.num_compiles += 1
 
     def _logits_step_impl(self, weights: Any, kv_cache: KVCache, batch: StepBatch, *, attn_fn: Any) -> Any:
         self._count_compile()
@@ -406,11 +414,13 @@ class ModelRunner:
         branch_free: bool = False,
     ) -> tuple[PenaltyState, MultiStepOutput]:
         """Up to `max_steps` decode iterations in one call; `batch` holds one token per row (T == S).
-        `branch_free` where `takes_branch_free` says so for the call's host sampling arrays."""
-        self.kv_cache, penalties, out = self._dispatch(
-            "decode", (self.weights, self.kv_cache, penalties, batch, inputs, decode),
-            {"max_steps": max_steps, **({"branch_free": True} if branch_free else {})},
-        )
+        `branch_free` where `takes_branch_free` says so for the call's host sampling arrays; while that build is
+        still compiling in the background (`precompile_in_background`) the call runs the branching one."""
+        args = (self.weights, self.kv_cache, penalties, batch, inputs, decode)
+        static: dict[str, Any] = {"max_steps": max_steps}
+        if branch_free and self._key("decode", args, {**static, "branch_free": True}) not in self._deferred:
+            static["branch_free"] = True
+        self.kv_cache, penalties, out = self._dispatch("decode", args, static)
         return penalties, out
 
     def takes_branch_free(self, sampling: SamplingArrays) -> bool:
@@ -521,6 +531,33 @@ class ModelRunner:
             self.precompile_times = {"executables": len(lowered_keys), "threads": threads,
                                      "trace_s": traced - start, "compile_s": time.perf_counter() - traced,
                                      **{f"programs_{s}": sources.count(s) for s in sorted(set(sources))}}
+
+    def precompile_in_background(self, calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]],
+                                 threads: int | None = None) -> threading.Thread:
+        """`precompile(calls)` on a thread of its own, for programs that only make some calls faster (the
+        branch-free decode loop): the engine serves meanwhile, and `decode_steps` keeps to the other build until
+        each is handed over, so serving never waits for one or compiles one. Its traces count in
+        `num_background_compiles`, not `num_compiles`; its times go to `background_compile_times`."""
+        keys = {self._key(kind, (self.weights, self.kv_cache)[: self._own_args.get(kind, 2)]
+                          + self.transfer.abstract(rest), static) for kind, rest, static in calls}
+        self._deferred |= keys - set(self._executables)
+
+        def work() -> None:
+            self._in_background.on = True
+            start, foreground = time.perf_counter(), self.precompile_times
+            try:
+                self.precompile(calls, threads)
+                self.background_compile_times = {**self.precompile_times, "wall_s": time.perf_counter() - start}
+            except Exception as e:  # noqa: BLE001 - those calls then compile when first made, as without warmup
+                warnings.warn(f"compiling in the background failed ({type(e).__name__}: {e}); the programs it "
+                              "was compiling will compile when first used", stacklevel=1)
+            finally:
+                self.precompile_times = foreground
+                self._deferred -= keys
+
+        thread = threading.Thread(target=work, name="jaxinfer-background-compile", daemon=True)
+        thread.start()
+        return thread
 
     def _lower_prompt(self, hidden: jax.ShapeDtypeStruct, exports: Path | None) -> list[tuple[tuple[Any, ...], Any]]:
         """The prompt-logprob program lowered for a forward's hidden states [T, D], unless compiled already."""

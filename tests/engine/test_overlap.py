@@ -141,8 +141,8 @@ def test_decode_row_buckets_add_one_and_a_half_steps_above_64() -> None:
 def test_branch_free_multi_step_build_changes_no_token_and_has_no_conditional(monkeypatch) -> None:
     """The GPU's multi-step loop without `lax.cond` in its body (forced here on CPU) gives the branching build's
     tokens, finish reasons and logprobs for batches `branch_free_applies` to (greedy and seeded rows, penalties,
-    min-p, min_tokens, device and host stops), compiles at warmup, and has no conditional in its program; a
-    batch with a top-p row or top logprobs keeps the branching build."""
+    min-p, min_tokens), compiles in the background after warmup (no compile while serving), and has no
+    conditional in its program; a batch with a top-p row or top logprobs keeps the branching build."""
     ps = prompts(6, seed=4)
     free_params = [dataclasses.replace(p, top_p=1.0, logprobs=0) for p in mixed_params([])[:6]]
     free_params[3] = dataclasses.replace(free_params[3], min_p=0.05)
@@ -159,6 +159,7 @@ def test_branch_free_multi_step_build_changes_no_token_and_has_no_conditional(mo
     for branch_free in (False, True):
         monkeypatch.setattr(run, "branch_free_sampler", branch_free)
         engine = make_engine(True)
+        assert engine.wait_for_background_compile(timeout=300)  # the branch-free builds come after warmup
         out = engine.generate(ps, free_params)
         results[branch_free] = [(o.outputs[0].token_ids, str(o.outputs[0].finish_reason),
                                  o.outputs[0].cumulative_logprob) for o in out]
@@ -177,3 +178,43 @@ def test_branch_free_multi_step_build_changes_no_token_and_has_no_conditional(mo
     texts = {bf: run._decode_steps.lower(*decode, max_steps=STEPS, branch_free=bf).compile().as_text()
              for bf in (False, True)}
     assert " conditional(" in texts[False] and " conditional(" not in texts[True]
+
+
+def test_decode_keeps_to_the_branching_build_until_the_background_one_is_ready(monkeypatch) -> None:
+    """Warmup leaves the branch-free decode builds to a background thread: until it hands them over, decode calls
+    run the branching build (never a compile of their own), afterwards the branch-free one, with the same tokens."""
+    import threading
+
+    run = model_helpers.build_runner(CFG, tp=1, seed=3, num_pages=96, page_size=4)  # nothing compiled yet
+    monkeypatch.setattr(run, "branch_free_sampler", True)
+    gate, precompile = threading.Event(), run.precompile
+
+    def held(calls, threads=None):
+        if getattr(run._in_background, "on", False):
+            assert gate.wait(300)
+        return precompile(calls, threads)
+
+    monkeypatch.setattr(run, "precompile", held)
+    builds: list[bool] = []
+    dispatch = run._dispatch
+
+    def recorded(kind, args, static):
+        if kind == "decode":
+            builds.append(static.get("branch_free", False))
+        return dispatch(kind, args, static)
+
+    monkeypatch.setattr(run, "_dispatch", recorded)
+    engine = Engine(run, None, EngineConfig(max_num_seqs=8, max_num_batched_tokens=64, max_model_len=96),
+                    CacheConfig(page_size=4), use_tqdm=False, decode_steps_per_call=STEPS, overlap_decode=True)
+    engine.warmup()
+    params = SamplingParams(temperature=0.7, seed=5, max_tokens=14, ignore_eos=True)
+    before = [o.outputs[0].token_ids for o in engine.generate(prompts(3, seed=6), params)]
+    assert builds and not any(builds) and engine.stats()["background_compile_pending"]
+    builds.clear()
+    gate.set()
+    assert engine.wait_for_background_compile(timeout=300)
+    after = [o.outputs[0].token_ids for o in engine.generate(prompts(3, seed=6), params)]
+    assert builds and all(builds) and after == before
+    stats = engine.stats()
+    assert stats["num_compiles_after_warmup"] == 0 and stats["num_background_compiles"] > 0
+    assert not stats["background_compile_pending"]
