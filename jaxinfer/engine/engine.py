@@ -28,8 +28,9 @@ from tqdm.auto import tqdm
 
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingParams
 from jaxinfer.engine.admission import Admission, Gate
-from jaxinfer.engine import frontend
+from jaxinfer.engine import frontend, warmup
 from jaxinfer.engine.batcher import MIN_TOKEN_BUCKET, BatchShape, SeqChunk, bucket, buckets_up_to, pack, pow2_ceil
+from jaxinfer.engine.bookkeeping import PenaltySlots, PhaseTimes
 from jaxinfer.engine.decode_loop import DecodeLoop
 from jaxinfer.engine.detokenize import IncrementalDetokenizer
 from jaxinfer.engine.logprobs import TokenTexts
@@ -55,48 +56,6 @@ DEFAULT_MAX_MODEL_LEN = 4096  # when the model allows more; the page table width
 
 def _uses_penalties(p: SamplingParams) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
-
-
-class PhaseTimes:
-    """Wall seconds the engine loop spent per phase, summed over steps: a cheap always-on profile.
-
-    schedule: the scheduler's plan; prepare: packing the bucketed host arrays; device: dispatch until the
-    sampled tokens are on the host (the device's work plus the launch); apply: turning tokens into request
-    state, text and outputs. The loop is synchronous, so the four add up to the time spent in `step`.
-    """
-
-    PHASES = ("schedule", "prepare", "device", "apply")
-
-    def __init__(self) -> None:
-        self.seconds = dict.fromkeys(self.PHASES, 0.0)
-
-    def add(self, phase: str, since: float) -> float:
-        """Charge the time since `since` to `phase`; returns now, the start of the next phase."""
-        now = time.perf_counter()
-        self.seconds[phase] += now - since
-        return now
-
-
-class PenaltySlots:
-    """Stable device rows of the penalty state, one per live sequence; rows are reset on (re)admission."""
-
-    def __init__(self, num_slots: int) -> None:
-        self.spare = num_slots  # padding rows read and write this extra row
-        self._free = list(range(num_slots - 1, -1, -1))
-        self._of: dict[SeqKey, int] = {}
-
-    def get(self, key: SeqKey) -> tuple[int, bool]:
-        """(slot, newly assigned)."""
-        if key in self._of:
-            return self._of[key], False
-        slot = self._free.pop()
-        self._of[key] = slot
-        return slot, True
-
-    def release(self, key: SeqKey) -> None:
-        slot = self._of.pop(key, None)
-        if slot is not None:
-            self._free.append(slot)
 
 
 class Engine:
@@ -194,49 +153,20 @@ class Engine:
         return BatchShape(tokens=rows, seqs=rows, pages_per_seq=self.pages_per_seq)
 
     def warmup(self) -> None:
-        """Compile every bucket now, so serving never compiles (checked by engine_stats).
+        """Compile every bucket now, so serving never compiles (checked by engine_stats); what only makes some
+        calls faster compiles in the background right after (jaxinfer.engine.warmup says what and why).
 
-        Every step bucket, and with multi-step decode every decode-row bucket, is traced in turn and then
-        compiled ahead of time on `compile_threads` threads at once.
+        Programs are traced in turn and compiled ahead of time on `compile_threads` threads at once.
         """
-        calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
-        sampler_rows = set()
-        for t in self.token_buckets:
-            shape = self.batch_shape(t)
-            batch, inputs = self._step_args(shape, [], [], [])
-            calls.append(("forward", (batch, ForwardInputs.of(inputs)), {}))
-            if shape.seqs not in sampler_rows:  # the sampler's shapes depend on the rows only
-                sampler_rows.add(shape.seqs)
-                logits = self.runner.example_logits(shape.seqs)
-                args = (self.penalties, logits, inputs.sampling, inputs.slots, inputs.sample_mask)
-                calls.append(("sample", args, {}))
-                if self.runner.branch_free_sampler:
-                    calls.append(("sample", args, {"branch_free": True}))
-        draft_calls = []
-        if self.spec is not None:
-            verify_calls, draft_calls = self.spec.warmup_calls()
-            calls.extend(verify_calls)
-        # On a GPU each decode bucket also has a build without conds (runner.takes_branch_free). It only makes
-        # some calls faster, so it compiles after the first token, in the background (runner.precompile_in_
-        # background): both builds at warmup took an H100's cold start of Llama-3-8B from 50 to 70 s. With
-        # several processes every one must run the same programs in the same order, so there it compiles now.
-        later: list[tuple[str, tuple[Any, ...], dict[str, Any]]] = []
-        if self.decode_steps_per_call > 1:
-            for rows in self.decode_row_buckets:
-                args = self._decode_args(self.decode_shape(rows), [], [], [], 0)
-                calls.append(("decode", (self.penalties, *args), {"max_steps": self.decode_steps_per_call}))
-                if self.runner.branch_free_sampler:
-                    (calls if jax.process_count() > 1 else later).append(
-                        ("decode", (self.penalties, *args), {"max_steps": self.decode_steps_per_call,
-                                                             "branch_free": True}))
-        with tqdm(total=1, desc=f"compiling {len(calls)} buckets", disable=not self.use_tqdm, leave=False):
-            self.runner.precompile(calls, self.compile_threads)
-            if draft_calls:
-                self.spec.draft.runner.precompile(draft_calls, self.compile_threads)
+        todo = warmup.plan(self)
+        with tqdm(total=1, desc=f"compiling {len(todo.now)} buckets", disable=not self.use_tqdm, leave=False):
+            self.runner.precompile(todo.now, self.compile_threads)
+            if todo.draft:
+                self.spec.draft.runner.precompile(todo.draft, self.compile_threads)
         self.penalties = self._reset_rows(self.penalties, *self._reset_args([]))  # also compiled up front
         self._compiles_at_warmup = self.num_compiles
-        if later:
-            self._background_compile = self.runner.precompile_in_background(later, self.compile_threads)
+        if todo.later:
+            self._background_compile = self.runner.precompile_in_background(todo.later, self.compile_threads)
 
     def wait_for_background_compile(self, timeout: float | None = None) -> bool:
         """Block until the programs warmup left to the background are compiled (measurements of steady-state

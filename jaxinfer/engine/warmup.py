@@ -1,0 +1,66 @@
+"""What an engine compiles before it serves, and what it leaves to the background (a collaborator of `Engine`).
+
+`plan(engine)` lists the programs as `ModelRunner.precompile` takes them, (kind, example arguments after the
+weights and cache, static arguments):
+* the forward of every token bucket, and the sampler of every row count it produces (on a GPU also its build
+  without `lax.cond`, for the pipelined single steps);
+* speculative decoding's verify programs (and, apart, the draft model's);
+* with multi-step decode, the decode loop of every row bucket.
+
+On a GPU each decode bucket also has a build without conds (`ModelRunner.takes_branch_free`). It only makes some
+calls faster, so it is compiled after the first token, in the background (`ModelRunner.precompile_in_background`):
+compiling both builds at warmup took an H100's cold start of Llama-3-8B from 59.8 to 70.5 s (each decode program
+costs ~3 s to trace and lower). With several processes every one must run the same programs in the same order, so
+there it is compiled at warmup with the rest.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+from jaxinfer.engine.runner import ForwardInputs
+
+if TYPE_CHECKING:
+    from jaxinfer.engine.engine import Engine
+
+Call = tuple[str, tuple[Any, ...], dict[str, Any]]  # ModelRunner.precompile's (kind, arguments, static arguments)
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupPlan:
+    now: list[Call]  # compiled before the engine serves
+    draft: list[Call]  # the draft model's, on its own runner
+    later: list[Call]  # compiled in the background once the engine serves
+
+
+def plan(engine: Engine) -> WarmupPlan:
+    runner = engine.runner
+    now: list[Call] = []
+    sampler_rows = set()
+    for t in engine.token_buckets:
+        shape = engine.batch_shape(t)
+        batch, inputs = engine._step_args(shape, [], [], [])
+        now.append(("forward", (batch, ForwardInputs.of(inputs)), {}))
+        if shape.seqs not in sampler_rows:  # the sampler's shapes depend on the rows only
+            sampler_rows.add(shape.seqs)
+            logits = runner.example_logits(shape.seqs)
+            args = (engine.penalties, logits, inputs.sampling, inputs.slots, inputs.sample_mask)
+            now.append(("sample", args, {}))
+            if runner.branch_free_sampler:
+                now.append(("sample", args, {"branch_free": True}))
+    draft: list[Call] = []
+    if engine.spec is not None:
+        verify_calls, draft = engine.spec.warmup_calls()
+        now.extend(verify_calls)
+    later: list[Call] = []
+    if engine.decode_steps_per_call > 1:
+        for rows in engine.decode_row_buckets:
+            args = (engine.penalties, *engine._decode_args(engine.decode_shape(rows), [], [], [], 0))
+            now.append(("decode", args, {"max_steps": engine.decode_steps_per_call}))
+            if runner.branch_free_sampler:
+                (now if jax.process_count() > 1 else later).append(
+                    ("decode", args, {"max_steps": engine.decode_steps_per_call, "branch_free": True}))
+    return WarmupPlan(now, draft, later)
