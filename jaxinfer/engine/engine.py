@@ -47,7 +47,7 @@ from jaxinfer.engine.sampling import (
 )
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
 from jaxinfer.engine.speculative import Speculator
-from jaxinfer.engine.sequence import FinishReason, SeqKey, SequenceGroup
+from jaxinfer.engine.sequence import FinishReason, SequenceGroup
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.validation import RequestOutputKind
 

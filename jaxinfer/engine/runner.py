@@ -18,6 +18,7 @@ no more iterations than every row's last page has room for, so the loop never ne
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import threading
@@ -63,6 +64,7 @@ from pallas_kernels.ragged_paged_attention import resolve_impl
 
 
 PROMPT_LOGPROB_CHUNK = 256  # positions whose full-vocabulary logits exist at once
+BACKGROUND_EXIT_WAIT_S = 60.0  # at exit, how long to wait for the background compiles already running
 
 # XLA's GPU backend records runs of kernels as CUDA graphs ("command buffers") and, when a call's input buffers
 # sit at new addresses, updates every graph node that reads them before launching. The single-step programs get
@@ -217,8 +219,8 @@ class ModelRunner:
         # The multi-step loop has the same second build (`branch_free`), for calls whose rows all pass
         # `branch_free_applies`: each cond in the loop body made the host wait for the device in every
         # iteration, and the host then launched the rest of the iteration (a CUDA graph) onto an idle GPU. On an
-        # H100, one branch-free iteration took 6.3 instead of 7.1 ms at batch 1 (Llama-3-8B) and 6.6 instead of
-        # 7.4 ms (Qwen3-30B-A3B), and a batch-64 step 11.9 instead of 14.1 ms end to end (docs/PERFORMANCE.md).
+        # H100, same lease: one iteration 6.2 instead of 7.2 ms at batch 1 (Llama-3-8B) and 6.6 instead of 7.4 ms
+        # (Qwen3-30B-A3B); a batch-64 step 12.4 instead of 13.6 ms end to end (docs/PERFORMANCE.md).
         self._decode_steps = jax.jit(
             functools.partial(self._decode_steps_impl, attn_fn=attn_fn),
             donate_argnums=(1, 2),
@@ -483,7 +485,8 @@ class ModelRunner:
             return exe(*args)
         return self._jitted(kind)(*args, **static)  # traces and compiles a shape warmup did not cover
 
-    def precompile(self, calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]], threads: int | None = None) -> None:
+    def precompile(self, calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]], threads: int | None = None,
+                   stop: threading.Event | None = None) -> None:
         """Compile every (kind, example args after weights and cache, static args) ahead of time.
 
         Tracing and lowering hold the GIL, so they run in turn; XLA compilation (or loading from the persistent
@@ -508,6 +511,8 @@ class ModelRunner:
             exports = (export_cache.default_directory() if self.export_directory == "auto"
                        else None if self.export_directory is None else Path(self.export_directory))
             for kind, rest, static in calls:
+                if stop is not None and stop.is_set():  # the process is exiting (precompile_in_background)
+                    break
                 # Lowered for the host inputs as `place` puts them at run time: left to the compiler, an input
                 # used under a shard_map (the structured-output bitmask) would be compiled for a split layout
                 # that the replicated arguments of a real step then fail to match. Placing them for real also
@@ -541,12 +546,13 @@ class ModelRunner:
         keys = {self._key(kind, (self.weights, self.kv_cache)[: self._own_args.get(kind, 2)]
                           + self.transfer.abstract(rest), static) for kind, rest, static in calls}
         self._deferred |= keys - set(self._executables)
+        stop = threading.Event()
 
         def work() -> None:
             self._in_background.on = True
             start, foreground = time.perf_counter(), self.precompile_times
             try:
-                self.precompile(calls, threads)
+                self.precompile(calls, threads, stop=stop)
                 self.background_compile_times = {**self.precompile_times, "wall_s": time.perf_counter() - start}
             except Exception as e:  # noqa: BLE001 - those calls then compile when first made, as without warmup
                 warnings.warn(f"compiling in the background failed ({type(e).__name__}: {e}); the programs it "
@@ -557,6 +563,12 @@ class ModelRunner:
 
         thread = threading.Thread(target=work, name="jaxinfer-background-compile", daemon=True)
         thread.start()
+
+        def at_exit() -> None:  # a process that ends first stops tracing and lets the compiles in flight finish
+            stop.set()
+            thread.join(BACKGROUND_EXIT_WAIT_S)
+
+        atexit.register(at_exit)
         return thread
 
     def _lower_prompt(self, hidden: jax.ShapeDtypeStruct, exports: Path | None) -> list[tuple[tuple[Any, ...], Any]]:

@@ -189,10 +189,10 @@ def test_decode_keeps_to_the_branching_build_until_the_background_one_is_ready(m
     monkeypatch.setattr(run, "branch_free_sampler", True)
     gate, precompile = threading.Event(), run.precompile
 
-    def held(calls, threads=None):
+    def held(calls, threads=None, stop=None):
         if getattr(run._in_background, "on", False):
             assert gate.wait(300)
-        return precompile(calls, threads)
+        return precompile(calls, threads, stop=stop)
 
     monkeypatch.setattr(run, "precompile", held)
     builds: list[bool] = []
@@ -218,3 +218,9 @@ def test_decode_keeps_to_the_branching_build_until_the_background_one_is_ready(m
     stats = engine.stats()
     assert stats["num_compiles_after_warmup"] == 0 and stats["num_background_compiles"] > 0
     assert not stats["background_compile_pending"]
+    # At exit the thread stops tracing (runner.precompile_in_background's atexit hook): a set `stop` compiles nothing.
+    compiled, stop = dict(run._executables), threading.Event()
+    stop.set()
+    args = engine._decode_args(engine.decode_shape(2), [], [], [], 0)
+    precompile([("decode", (engine.penalties, *args), {"max_steps": STEPS + 1})], stop=stop)
+    assert run._executables == compiled
