@@ -13,18 +13,15 @@ their tokens are flagged invalid) rather than skipped by a `lax.cond`: XLA's GPU
 conditional's predicate back to the host, a sync per iteration, while a loop of known trip count runs without
 one; and on every backend, a cache update under a conditional made XLA copy each cache layer per iteration
 when the update became a dynamic-update-slice (the 1-row bucket). The host guarantees the pages: it asks for
-no more iterations than every row's last page has room for, so the loop never needs a new page.
+no more iterations than every row's last page has room for, so the loop never needs a new page. The sampler in
+the body keeps its own conds (the passes only some rows need) unless the call takes its branch-free build
+(`takes_branch_free`, on GPUs, where each cond cost the device an idle wait per iteration).
 """
 
 from __future__ import annotations
 
-import atexit
 import functools
-import os
 import threading
-import time
-import warnings
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -36,7 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxinfer.attention import make_attention_fn
 from jaxinfer.expert_parallel import make_moe_fn
 from jaxinfer.config import ModelConfig
-from jaxinfer.engine import export_cache
+from jaxinfer.engine.aot import CompiledPrograms
 from jaxinfer.engine.transfer import Transfer
 from jaxinfer.engine.verify import VerifyInputs, verify, verify_logits
 from jaxinfer.engine.sampling import (
@@ -64,7 +61,6 @@ from pallas_kernels.ragged_paged_attention import resolve_impl
 
 
 PROMPT_LOGPROB_CHUNK = 256  # positions whose full-vocabulary logits exist at once
-BACKGROUND_EXIT_WAIT_S = 60.0  # at exit, how long to wait for the background compiles already running
 
 # XLA's GPU backend records runs of kernels as CUDA graphs ("command buffers") and, when a call's input buffers
 # sit at new addresses, updates every graph node that reads them before launching. The single-step programs get
@@ -160,7 +156,7 @@ class _DecodeCarry(NamedTuple):
     expert_counts: jax.Array  # [E] int32 so far ([0] for dense models)
 
 
-class ModelRunner:
+class ModelRunner(CompiledPrograms):
     def __init__(
         self,
         family: ModelFamily,
@@ -463,121 +459,6 @@ class ModelRunner:
             "verify", (self.weights, self.kv_cache, penalties, batch, inputs, spec), {}
         )
         return penalties, out
-
-    # ------------------------------------------------------------------ ahead-of-time compilation
-
-    def register_entry_point(self, kind: str, jitted: Any) -> None:
-        """Another jitted function over (weights, kv_cache, ...) that `_dispatch`/`precompile` serve like
-        the built-in kinds (a draft model registers its proposal loop on its own runner)."""
-        self._entry_points[kind] = jitted
-
-    def _jitted(self, kind: str) -> Any:
-        return self._entry_points[kind]
-
-    def _key(self, kind: str, args: tuple[Any, ...], static: dict[str, Any]) -> tuple[Any, ...]:
-        # Weights and cache (args 0, 1 of the stateful kinds) never change shape; the rest is small leaves.
-        shapes = tuple((a.shape, a.dtype) for a in jax.tree.leaves(args[self._own_args.get(kind, 2):]))
-        return (kind, shapes, tuple(sorted(static.items())))
-
-    def _dispatch(self, kind: str, args: tuple[Any, ...], static: dict[str, Any]) -> Any:
-        exe = self._executables.get(self._key(kind, args, static))
-        if exe is not None:
-            return exe(*args)
-        return self._jitted(kind)(*args, **static)  # traces and compiles a shape warmup did not cover
-
-    def precompile(self, calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]], threads: int | None = None,
-                   stop: threading.Event | None = None) -> None:
-        """Compile every (kind, example args after weights and cache, static args) ahead of time.
-
-        Tracing and lowering hold the GIL, so they run in turn; XLA compilation (or loading from the persistent
-        cache) releases it, so each program goes to a pool of `threads` as soon as it is lowered and compiles
-        while the next ones are traced (on a GPU host most of a cold warmup is XLA compile time). Each executable
-        is kept and used by `step`/`decode_steps` for inputs of the same shapes. With a persistent compilation
-        cache, lowering goes through jaxinfer.engine.export_cache (a warm start reads the lowered programs).
-        `precompile_times`: `trace_s` the tracing loop, `compile_s` the compiles still running after it,
-        `programs_read` / `programs_exported` / `programs_lowered` where each program's lowering came from.
-        """
-        start = time.perf_counter()
-        # One thread per core: on a 16-core H100 host a cold start of the bench's engine took 52.6 s to its first
-        # token with 16 threads against 63-67 s with 8 (docs/PERFORMANCE.md, "Start").
-        threads = threads or max(1, os.cpu_count() or 1)
-        with ThreadPoolExecutor(threads) as pool, ThreadPoolExecutor(1) as in_order:
-            # Placing for real (below) runs programs. With several processes each must run the same programs in
-            # the same order, so there the placements keep to one thread in call order (on the pool, gloo's
-            # collectives mismatched in tests/distributed/test_multihost.py); one process may use the pool.
-            placer = pool if jax.process_count() == 1 else in_order
-            pending, lowered_keys, sources = [], set(), []
-            # Lowered programs from an earlier start, or written now for the next (jaxinfer.engine.export_cache).
-            exports = (export_cache.default_directory() if self.export_directory == "auto"
-                       else None if self.export_directory is None else Path(self.export_directory))
-            for kind, rest, static in calls:
-                if stop is not None and stop.is_set():  # the process is exiting (precompile_in_background)
-                    break
-                # Lowered for the host inputs as `place` puts them at run time: left to the compiler, an input
-                # used under a shard_map (the structured-output bitmask) would be compiled for a split layout
-                # that the replicated arguments of a real step then fail to match. Placing them for real also
-                # compiles the transfers' unpacking programs (dozens of small compiles on a cold start), so that
-                # runs beside the tracing.
-                pending.append((None, placer.submit(self.place, tuple(rest))))
-                args = (self.weights, self.kv_cache)[: self._own_args.get(kind, 2)] + self.transfer.abstract(rest)
-                key = self._key(kind, args, static)
-                if key in self._executables or key in lowered_keys:
-                    continue
-                lowered = [(key, export_cache.lower(self._jitted(kind), args, static, exports))]
-                if kind == "forward":  # and the prompt-logprob program over its hidden states
-                    lowered.extend(self._lower_prompt(lowered[0][1].out_info[1].hidden, exports))
-                lowered_keys.update(k for k, _ in lowered)
-                sources.extend(getattr(low, "source", "lowered") for _, low in lowered)
-                pending.extend((k, pool.submit(low.compile)) for k, low in lowered)
-            traced = time.perf_counter()
-            done = [(key, future.result()) for key, future in pending]  # a placement's error surfaces here too
-            self._executables.update((key, exe) for key, exe in done if key is not None)  # None: a placement
-        if lowered_keys:
-            self.precompile_times = {"executables": len(lowered_keys), "threads": threads,
-                                     "trace_s": traced - start, "compile_s": time.perf_counter() - traced,
-                                     **{f"programs_{s}": sources.count(s) for s in sorted(set(sources))}}
-
-    def precompile_in_background(self, calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]],
-                                 threads: int | None = None) -> threading.Thread:
-        """`precompile(calls)` on a thread of its own, for programs that only make some calls faster (the
-        branch-free decode loop): the engine serves meanwhile, and `decode_steps` keeps to the other build until
-        each is handed over, so serving never waits for one or compiles one. Its traces count in
-        `num_background_compiles`, not `num_compiles`; its times go to `background_compile_times`."""
-        keys = {self._key(kind, (self.weights, self.kv_cache)[: self._own_args.get(kind, 2)]
-                          + self.transfer.abstract(rest), static) for kind, rest, static in calls}
-        self._deferred |= keys - set(self._executables)
-        stop = threading.Event()
-
-        def work() -> None:
-            self._in_background.on = True
-            start, foreground = time.perf_counter(), self.precompile_times
-            try:
-                self.precompile(calls, threads, stop=stop)
-                self.background_compile_times = {**self.precompile_times, "wall_s": time.perf_counter() - start}
-            except Exception as e:  # noqa: BLE001 - those calls then compile when first made, as without warmup
-                warnings.warn(f"compiling in the background failed ({type(e).__name__}: {e}); the programs it "
-                              "was compiling will compile when first used", stacklevel=1)
-            finally:
-                self.precompile_times = foreground
-                self._deferred -= keys
-
-        thread = threading.Thread(target=work, name="jaxinfer-background-compile", daemon=True)
-        thread.start()
-
-        def at_exit() -> None:  # a process that ends first stops tracing and lets the compiles in flight finish
-            stop.set()
-            thread.join(BACKGROUND_EXIT_WAIT_S)
-
-        atexit.register(at_exit)
-        return thread
-
-    def _lower_prompt(self, hidden: jax.ShapeDtypeStruct, exports: Path | None) -> list[tuple[tuple[Any, ...], Any]]:
-        """The prompt-logprob program lowered for a forward's hidden states [T, D], unless compiled already."""
-        t = hidden.shape[0]
-        args = (self.weights, jax.ShapeDtypeStruct(hidden.shape, hidden.dtype, sharding=self.hidden_sharding(t)),
-                jax.ShapeDtypeStruct((t,), jnp.int32, sharding=replicated(self.mesh)))
-        key = self._key("prompt", args, {})
-        return [] if key in self._executables else [(key, export_cache.lower(self._prompt_step, args, {}, exports))]
 
     def logits(self, batch: StepBatch) -> jax.Array:
         """Run the model on `batch`, update the cache in place, return float32 logits [S, V]."""
