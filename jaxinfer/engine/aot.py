@@ -25,6 +25,8 @@ BACKGROUND_EXIT_WAIT_S = 60.0  # at exit, how long to wait for the background co
 
 
 class CompiledPrograms:
+    """Executables by (entry point, input shapes, static arguments); see the module docstring."""
+
     def register_entry_point(self, kind: str, jitted: Any) -> None:
         """Another jitted function over (weights, kv_cache, ...) that `_dispatch`/`precompile` serve like
         the built-in kinds (a draft model registers its proposal loop on its own runner)."""
