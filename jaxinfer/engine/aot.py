@@ -2,7 +2,7 @@
 of time (`precompile`), now or on a thread of their own after the engine starts serving
 (`precompile_in_background`). A mixin of `ModelRunner`, whose constructor sets the attributes used here:
 `_executables`, `_entry_points`, `_own_args`, `_deferred`, `_in_background`, `precompile_times`,
-`background_compile_times`, `export_directory`, and the weights, cache, mesh and transfer."""
+`export_directory`, and the weights, cache, mesh and transfer."""
 
 from __future__ import annotations
 
@@ -103,7 +103,7 @@ class CompiledPrograms:
         """`precompile(calls)` on a thread of its own, for programs that only make some calls faster (the
         branch-free decode loop): the engine serves meanwhile, and `decode_steps` keeps to the other build until
         each is handed over, so serving never waits for one or compiles one. Its traces count in
-        `num_background_compiles`, not `num_compiles`; its times go to `background_compile_times`."""
+        `num_background_compiles`, not `num_compiles`, and `precompile_times` keeps warmup's."""
         keys = {self._key(kind, (self.weights, self.kv_cache)[: self._own_args.get(kind, 2)]
                           + self.transfer.abstract(rest), static) for kind, rest, static in calls}
         self._deferred |= keys - set(self._executables)
@@ -111,10 +111,9 @@ class CompiledPrograms:
 
         def work() -> None:
             self._in_background.on = True
-            start, foreground = time.perf_counter(), self.precompile_times
+            foreground = self.precompile_times
             try:
                 self.precompile(calls, threads, stop=stop)
-                self.background_compile_times = {**self.precompile_times, "wall_s": time.perf_counter() - start}
             except Exception as e:  # noqa: BLE001 - those calls then compile when first made, as without warmup
                 warnings.warn(f"compiling in the background failed ({type(e).__name__}: {e}); the programs it "
                               "was compiling will compile when first used", stacklevel=1)

@@ -179,7 +179,6 @@ class ModelRunner(CompiledPrograms):
         self._trace_lock = threading.Lock()
         self._in_background = threading.local()  # set on the thread of `precompile_in_background`
         self._deferred: set[tuple[Any, ...]] = set()  # keys of programs that thread has yet to hand over
-        self.background_compile_times: dict[str, float] = {}
         self.transfer = Transfer(replicated(mesh))  # each step's small host arrays in a few copies
         # Executables compiled ahead of time by `precompile`, keyed by entry point and input shapes.
         self._executables: dict[tuple[Any, ...], Any] = {}
@@ -416,7 +415,9 @@ class ModelRunner(CompiledPrograms):
         still compiling in the background (`precompile_in_background`) the call runs the branching one."""
         args = (self.weights, self.kv_cache, penalties, batch, inputs, decode)
         static: dict[str, Any] = {"max_steps": max_steps}
-        if branch_free and self._key("decode", args, {**static, "branch_free": True}) not in self._deferred:
+        # Keyed only while the background thread still holds builds back: otherwise `_dispatch` keys the call once.
+        if branch_free and not (self._deferred and self._key("decode", args, {**static, "branch_free": True})
+                                in self._deferred):
             static["branch_free"] = True
         self.kv_cache, penalties, out = self._dispatch("decode", args, static)
         return penalties, out
