@@ -131,9 +131,8 @@ def m1_kernels(s: dict[str, Any], copy_bw: float) -> dict[str, Any]:
     """The weight set at M = 1 for bf16, int8 per channel and int4 with zero points in groups of 32 / 128."""
     from pallas_kernels.quantized_matmul import quantize_weights, quantized_matmul
 
-    formats = {"bf16": None, "int8": dict(bits=8), "int8_g128": dict(bits=8, group_size=128),
-               "int8_g32": dict(bits=8, group_size=32), "int4": dict(bits=4, group_size=32, zero_point=True),
-               "int4_g128": dict(bits=4, group_size=128, zero_point=True)}
+    formats = {"bf16": None, **WEIGHT_ONLY_FORMATS, "int8_g128": dict(bits=8, group_size=128),
+               "int8_g32": dict(bits=8, group_size=32)}
     out = {}
     for name, fmt in formats.items():
         ws = weight_set(s, (lambda w: w) if fmt is None else (lambda w, f=fmt: quantize_weights(w, **f)))
