@@ -51,6 +51,8 @@
 #   xla_flags    scripts/ab_xla_flags.py: decode (end to end and device only) under each of XF_SETS (XLA_FLAGS values
 #                separated by ';', an empty one for the defaults), one process each; XF_ARGS go to jaxinfer bench
 #                (default: Llama-3-8B, batches 1 and 64): $OUT/xla_flags.jsonl
+#   trace_b1     scripts/trace_engine.py at batch 1, Llama-3-8B: pipelined single steps against the multi-step loop
+#                (overlapped), 16 engine steps each: $OUT/trace_b1.json and the raw Perfetto traces
 #   ab_b1        batch-1 decode (end to end and device only) of .ab_old (a git worktree, carried) and this tree,
 #                alternating twice: $OUT/ab_b1.jsonl
 #   ab_grid      issue 12's TP=1 bar: the run of record's fixed grids and decode at batch 1 through the public
@@ -181,6 +183,9 @@ print(f(llm.describe()))' ;;
       # shellcheck disable=SC2086 - XF_ARGS is a list of bench arguments
       run xla_flags 590 python3 scripts/ab_xla_flags.py --out "$OUT/xla_flags.jsonl" --timeout "${XF_TIMEOUT:-250}" \
         "${flag_args[@]}" -- ${XF_ARGS:---model llama-3-8b --memory-fraction 0.85 --decode-batches 1 64 --max-num-seqs 64 --max-num-batched-tokens 512} ;;
+    trace_b1)
+      run trace_b1 400 python3 scripts/trace_engine.py --batch 1 --memory-fraction 0.85 --max-num-batched-tokens 512 \
+        --single-step-max-rows 8 0 --overlap-only --calls 16 --out "$OUT/trace_b1.json" ;;
     ab_b1)
       run ab_b1 590 python3 scripts/ab_bench.py --trees .ab_old . --repeats 2 --out "$OUT/ab_b1.jsonl" -- \
         --hf skip --memory-fraction 0.85 --sections decode decode_device --decode-batches 1 ;;

@@ -46,26 +46,40 @@ def summarize(events: list[dict], min_gap_us: float) -> dict:
     window = busy[-1][1] - busy[0][0]
     gaps = [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] >= min_gap_us]
     during: dict[str, float] = {}
+    host: dict[str, float] = {}
     for e in spans:
         if e["pid"] in device:
             continue
+        host[e["name"]] = host.get(e["name"], 0.0) + e["dur"]
         s, t = e["ts"], e["ts"] + e["dur"]
         for g0, g1 in gaps:
             overlap = min(t, g1) - max(s, g0)
             if overlap > 0:
                 during[e["name"]] = during.get(e["name"], 0.0) + overlap
+    kernels: dict[str, list[float]] = {}
+    for e in spans:
+        if e["pid"] in device:
+            k = kernels.setdefault(e["name"], [0, 0.0])
+            k[0] += 1
+            k[1] += e["dur"]
+    top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]
     return {
         "window_us": window,
+        "device_events": sum(k[0] for k in kernels.values()),
+        "top_kernels_us": {name: {"count": n, "total_us": round(us, 1)} for name, (n, us) in top},
         "device_busy_us": sum(e - s for s, e in busy),
         "busy_fraction": sum(e - s for s, e in busy) / window,
         "gaps": len(gaps),
         "gap_us_total": sum(g1 - g0 for g0, g1 in gaps),
         "largest_gaps_us": sorted((g1 - g0 for g0, g1 in gaps), reverse=True)[:10],
         "host_events_in_gaps_us": dict(sorted(during.items(), key=lambda kv: -kv[1])[:25]),
+        # Inclusive times (a caller's span holds its callees'), summed over the host threads.
+        "host_events_us": {k: round(v, 1) for k, v in sorted(host.items(), key=lambda kv: -kv[1])[:40]},
     }
 
 
-def traced_decode(llm: LLM, batch: int, ctx: int, tokens: int, out_dir: Path, label: str, min_gap_us: float) -> dict:
+def traced_decode(llm: LLM, batch: int, ctx: int, tokens: int, out_dir: Path, label: str, min_gap_us: float,
+                  calls: int) -> dict:
     engine = llm.engine
     states = _start_decoding(engine, prompts(fixed(ctx, tokens, batch), llm.model_config.vocab_size, seed=batch))
     for _ in range(2):  # into the steady state (a continuation in flight when overlapped)
@@ -74,7 +88,7 @@ def traced_decode(llm: LLM, batch: int, ctx: int, tokens: int, out_dir: Path, la
         t = time.perf_counter()
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             steps = 0
-            while steps < 4:
+            while steps < calls:
                 steps += 1
                 engine.step()
             engine.flush()
@@ -98,19 +112,34 @@ def main() -> None:
     p.add_argument("--decode-steps-per-call", type=int, default=8)
     p.add_argument("--memory-fraction", type=float, default=0.5)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--single-step-max-rows", type=int, nargs="*", default=[],
+                   help="the engine's knob, one traced run per value (default: the platform's); 0 makes every decode "
+                        "batch multi-step")
+    p.add_argument("--calls", type=int, default=4, help="engine steps traced per run")
+    p.add_argument("--overlap-only", action="store_true", help="skip the runs with overlapped decode off")
     p.add_argument("--out", default="trace_engine.json")
     args = p.parse_args()
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     llm = LLM(args.model, random_weights=True, dtype="bfloat16", max_num_seqs=max(16, args.batch),
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.ctx + 512,
               memory_fraction=args.memory_fraction,
-              decode_steps_per_call=args.decode_steps_per_call, use_tqdm=False)
+              decode_steps_per_call=args.decode_steps_per_call,
+              use_tqdm=False)
     llm.wait_for_background_compile()  # steady-state speed
     result = {"batch": args.batch, "ctx": args.ctx}
-    for label, overlap in (("sync", False), ("overlap", True)):
-        llm.engine.loop.overlap = overlap
-        result[label] = traced_decode(llm, args.batch, args.ctx, 400, out.parent, label, args.min_gap_us)
-        print(json.dumps({label: result[label]}), flush=True)
+    # Every decode row bucket has its multi-step program whatever the knob, so one warmed engine serves each value.
+    for single in args.single_step_max_rows or [llm.engine.single_step_max_rows]:
+        llm.engine.single_step_max_rows = single
+        for label, overlap in (("sync", False), ("overlap", True)):
+            if args.overlap_only and not overlap:
+                continue
+            if args.single_step_max_rows:
+                label = f"single{single}_{label}"
+            llm.engine.loop.overlap = overlap
+            result[label] = traced_decode(llm, args.batch, args.ctx, 400, out.parent, label, args.min_gap_us,
+                                          args.calls)
+            print(json.dumps({label: result[label]}), flush=True)
     out.write_text(json.dumps(result, indent=1) + "\n")
 
 

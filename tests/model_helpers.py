@@ -129,13 +129,15 @@ def assert_clean(llm: Any) -> None:
     assert stats["free_pages"] == stats["total_pages"] and not llm.has_unfinished()
 
 
-def step_hlo(engine: Any, num_tokens: int) -> str:
-    """Compiled HLO text of one single step of the `num_tokens` bucket: the forward program, then the sampler
-    (two programs since pipelined single steps; a step's collectives are those of both)."""
+def step_hlo(engine: Any, num_tokens: int, num_rows: int | None = None) -> str:
+    """Compiled HLO text of one single step of `num_tokens` tokens over `num_rows` rows (default: as many) in
+    the engine's bucket for it (`Engine.step_shape`): the forward program, then the sampler (two programs since
+    pipelined single steps; a step's collectives are those of both)."""
     from jaxinfer.engine.runner import ForwardInputs
 
     runner = engine.runner
-    batch, inputs = engine._step_args(engine.batch_shape(num_tokens), [], [], [])
+    shape = engine.step_shape(num_tokens, num_rows or num_tokens)
+    batch, inputs = engine._step_args(shape, [], [], [])
     forward = runner._forward_step.lower(runner.weights, runner.kv_cache, *runner.place((batch, ForwardInputs.of(inputs))))
     logits = runner.example_logits(batch.logits_indices.shape[0])
     sampler = runner._sample_logits.lower(engine.penalties, logits, *runner.place(

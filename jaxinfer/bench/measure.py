@@ -205,7 +205,8 @@ def decode_device_profile(llm: Any, cost: ModelCost, batch: int, ctx: int, copy_
     states = _start_decoding(engine, prompts(fixed(ctx, 1, batch), llm.model_config.vocab_size, 7))
     plan = engine.scheduler.schedule()  # every row decodes one token
     slots = engine._slot_rows(plan)
-    step_args = engine._step_args(engine.batch_shape(len(plan.seqs)), plan.seqs, [], slots)
+    rows = len(plan.seqs)
+    step_args = engine._step_args(engine.step_shape(rows, rows), plan.seqs, [], slots)  # the engine's bucket
     n = engine.decode_steps_per_call
     decode_args = engine._decode_args(engine.decode_shape(len(plan.seqs)), plan.seqs, [], slots, n)
 

@@ -80,6 +80,13 @@ class Engine:
         self.loop = DecodeLoop(self, _at_least_one("decode_steps_per_call", decode_steps_per_call), overlap_decode)
         self.pipeline = StepPipeline(self, overlap_decode)
         self.single_step_max_rows = single_step_max_rows  # see decodes_singly
+        # A single step of one token runs in the 1-row bucket rather than the smallest token bucket where
+        # decode batches of a few rows run as single steps (on a GPU or TPU). In the 16-row bucket one decoding
+        # row cost an H100 7.3 ms of device time per token against 6.3 ms in the multi-step loop's 1-row bucket
+        # (docs/PERFORMANCE.md, twelfth session): attention over 16 query rows, scatters for the KV writes,
+        # elementwise work and matmuls over 15 rows of padding. On a CPU, whose decode batches run multi-step,
+        # it would be one more program for warmup to compile. Fixed here, for warmup: see step_shape.
+        self.one_row_steps = single_step_max_rows >= 1
         # Streamed (DELTA/CUMULATIVE) requests get an output every this many tokens (and at their first and
         # last): the server's --stream-interval. Each output is host work on this thread and an event on a
         # server's loop, one per row per step for rows that decode one token per step (structured output).
@@ -143,6 +150,13 @@ class Engine:
     def batch_shape(self, num_tokens: int) -> BatchShape:
         tokens = bucket(num_tokens, MIN_TOKEN_BUCKET, self.token_buckets[-1])
         return BatchShape(tokens=tokens, seqs=min(tokens, pow2_ceil(self.max_num_seqs)), pages_per_seq=self.pages_per_seq)
+
+    def step_shape(self, num_tokens: int, num_rows: int, num_copies: int = 0) -> BatchShape:
+        """The bucket of a single step of `num_tokens` tokens over `num_rows` rows with `num_copies` page
+        copies: the token bucket, or the 1-row decode bucket for one token where `one_row_steps`."""
+        if num_tokens == 1 and num_rows == 1 and num_copies <= 1 and self.one_row_steps:
+            return self.decode_shape(1)
+        return self.batch_shape(num_tokens)
 
     def decode_shape(self, num_rows: int) -> BatchShape:
         """The bucket of a multi-step call over `num_rows` sequences: one token per row (T == S), rows

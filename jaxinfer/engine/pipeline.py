@@ -85,7 +85,7 @@ class StepPipeline:
         """One step for a plan of `schedule()`."""
         engine = self.engine
         t = time.perf_counter()
-        shape = engine.batch_shape(plan.num_batched_tokens)
+        shape = engine.step_shape(plan.num_batched_tokens, len(plan.seqs), len(plan.page_copies))
         fwd = engine._forward_inputs(shape, plan.page_copies)
         forward = self._launch_forward(engine._pack(shape, plan.seqs), fwd)
         # The sampler's arrays (grammar masks included) are built while the forward runs.
@@ -244,7 +244,7 @@ class StepPipeline:
                 return None  # no page for the next position without preempting: schedule() decides
             entries[row] = ScheduledSeq(e.key, (0,), e.start_pos + 1, pages, e.start_pos + 2, True)
             live += 1
-        if live == 0 or engine.batch_shape(live) != shape:
+        if live == 0 or engine.step_shape(live, live) != shape:
             return None  # let schedule() pack what is left into its own bucket
         next_plan = StepPlan(tuple(entries), (), (), num_rows)
         return next_plan, engine.runner.place(engine._pack(shape, next_plan.seqs)), self._no_extras(shape)

@@ -2,8 +2,9 @@
 
 `plan(engine)` lists the programs as `ModelRunner.precompile` takes them, (kind, example arguments after the
 weights and cache, static arguments):
-* the forward of every token bucket, and the sampler of every row count it produces (on a GPU also its build
-  without `lax.cond`, for the pipelined single steps);
+* the forward of every token bucket (and of the 1-row bucket, for single steps of one token where
+  `Engine.one_row_steps`), and the sampler of every row count they produce (on a GPU also its build without
+  `lax.cond`, for the pipelined single steps);
 * speculative decoding's verify programs (and, apart, the draft model's);
 * with multi-step decode, the decode loop of every row bucket.
 
@@ -41,8 +42,10 @@ def plan(engine: Engine) -> WarmupPlan:
     runner = engine.runner
     now: list[Call] = []
     sampler_rows = set()
-    for t in engine.token_buckets:
-        shape = engine.batch_shape(t)
+    shapes = [engine.batch_shape(t) for t in engine.token_buckets]
+    if engine.one_row_steps:  # single steps of one token (Engine.step_shape)
+        shapes.insert(0, engine.step_shape(1, 1))
+    for shape in shapes:
         batch, inputs = engine._step_args(shape, [], [], [])
         now.append(("forward", (batch, ForwardInputs.of(inputs)), {}))
         if shape.seqs not in sampler_rows:  # the sampler's shapes depend on the rows only

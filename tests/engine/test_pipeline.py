@@ -257,3 +257,43 @@ def test_small_decode_batches_run_pipelined_single_steps_and_large_ones_multi_st
     assert [o.token_ids for o in outs] == [w[:n] for w, n in zip(
         [reference_greedy(tuple(p), 20) for p in PROMPTS], (4, 4, 4, 20))]
     assert engine.stats()["num_pipelined_steps"] > 0
+
+
+def test_one_row_single_steps_run_in_the_one_row_bucket(monkeypatch) -> None:
+    """Where decode batches of a few rows step singly (`single_step_max_rows` >= 1: GPUs and TPUs), a step of one
+    token runs in the 1-row bucket (`Engine.step_shape`), not the smallest token bucket: sampled tokens,
+    penalties and logprobs equal those of the engine without the 1-row bucket, and nothing compiles after warmup."""
+    from jaxinfer.engine.runner import ModelRunner
+
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=20, ignore_eos=True, logprobs=2,
+                             repetition_penalty=1.3)]
+    runs = {}
+    for one_row in (True, False):
+        engine = Engine(shared_runner(16), None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                                              max_model_len=MAX_LEN),
+                        CacheConfig(page_size=16), use_tqdm=False, decode_steps_per_call=4, single_step_max_rows=1)
+        engine.one_row_steps = one_row
+        engine.warmup()
+        buckets = []
+        forward = ModelRunner.forward
+
+        def spy(self, batch, *args, _forward=forward, _buckets=buckets):
+            _buckets.append(batch.token_ids.shape[0])
+            return _forward(self, batch, *args)
+
+        monkeypatch.setattr(ModelRunner, "forward", spy)
+        runs[one_row] = engine.generate(PROMPTS[:1], params)
+        monkeypatch.undo()
+        _check_clean(engine, True)
+        assert buckets[0] == 16 and set(buckets[1:]) == ({1} if one_row else {16}), buckets
+    (a,), (b,) = runs[True], runs[False]
+    assert a.token_ids == b.token_ids
+    np.testing.assert_allclose([lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.token_ids)],
+                               [lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.token_ids)], atol=1e-5)
+    # The greedy tokens of one row in the 1-row bucket are the reference's.
+    engine = Engine(shared_runner(16), None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                                          max_model_len=MAX_LEN),
+                    CacheConfig(page_size=16), use_tqdm=False, decode_steps_per_call=4, single_step_max_rows=1)
+    engine.warmup()
+    assert engine.generate(PROMPTS[3:], GREEDY)[0].token_ids == reference_greedy(tuple(PROMPTS[3]), GREEDY.max_tokens)
+    _check_clean(engine, True)
