@@ -61,15 +61,15 @@ def _engine(cfg, tp: int, family, quantization: str | None = None) -> Engine:
 
 
 def _compiled_texts(engine: Engine) -> dict[str, tuple[str, int]]:
-    """{kind: (compiled HLO text, rows of the activations)} for a prefill step, a single step of one token in
-    the 1-row bucket (Engine.step_shape on a GPU or TPU) and a decode call."""
+    """{kind: (compiled HLO text, rows of the activations)} for a prefill step, a decode-only single step in the
+    2-token bucket (Engine.small_step_buckets, on a GPU or TPU) and a decode call."""
     r = engine.runner
-    engine.one_row_steps = True
+    engine.small_step_buckets = (2,)
     decode = engine.decode_shape(ROWS)
     decode_args = (r.weights, r.kv_cache, engine.penalties, *engine._decode_args(decode, [], [], [], 0))
     return {
         "prefill": (step_hlo(engine, TOKENS), TOKENS),
-        "one_row_step": (step_hlo(engine, 1), 1),
+        "small_step": (step_hlo(engine, 2), 2),
         "decode": (r._decode_steps.lower(*decode_args, max_steps=4).compile().as_text(), decode.seqs),
     }
 

@@ -47,7 +47,7 @@ class CompiledPrograms:
         return self._jitted(kind)(*args, **static)  # traces and compiles a shape warmup did not cover
 
     def precompile(self, calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]], threads: int | None = None,
-                   stop: threading.Event | None = None) -> None:
+                   stop: threading.Event | None = None, background: bool = False) -> None:
         """Compile every (kind, example args after weights and cache, static args) ahead of time.
 
         Tracing and lowering hold the GIL, so they run in turn; XLA compilation (or loading from the persistent
@@ -79,7 +79,7 @@ class CompiledPrograms:
                 # that the replicated arguments of a real step then fail to match. Placing them for real also
                 # compiles the transfers' unpacking programs (dozens of small compiles on a cold start), so that
                 # runs beside the tracing.
-                pending.append((None, placer.submit(self.place, tuple(rest))))
+                pending.append((None, placer.submit(self.place, tuple(rest), background)))
                 args = (self.weights, self.kv_cache)[: self._own_args.get(kind, 2)] + self.transfer.abstract(rest)
                 key = self._key(kind, args, static)
                 if key in self._executables or key in lowered_keys:
@@ -113,7 +113,7 @@ class CompiledPrograms:
             self._in_background.on = True
             foreground = self.precompile_times
             try:
-                self.precompile(calls, threads, stop=stop)
+                self.precompile(calls, threads, stop=stop, background=True)
             except Exception as e:  # noqa: BLE001 - those calls then compile when first made, as without warmup
                 warnings.warn(f"compiling in the background failed ({type(e).__name__}: {e}); the programs it "
                               "was compiling will compile when first used", stacklevel=1)

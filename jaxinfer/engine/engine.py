@@ -80,13 +80,17 @@ class Engine:
         self.loop = DecodeLoop(self, _at_least_one("decode_steps_per_call", decode_steps_per_call), overlap_decode)
         self.pipeline = StepPipeline(self, overlap_decode)
         self.single_step_max_rows = single_step_max_rows  # see decodes_singly
-        # A single step of one token runs in the 1-row bucket rather than the smallest token bucket where
-        # decode batches of a few rows run as single steps (on a GPU or TPU). In the 16-row bucket one decoding
-        # row cost an H100 7.3 ms of device time per token against 6.3 ms in the multi-step loop's 1-row bucket
-        # (docs/PERFORMANCE.md, twelfth session): attention over 16 query rows, scatters for the KV writes,
-        # elementwise work and matmuls over 15 rows of padding. On a CPU, whose decode batches run multi-step,
-        # it would be one more program for warmup to compile. Fixed here, for warmup: see step_shape.
-        self.one_row_steps = single_step_max_rows >= 1
+        # Decode-only single steps of a few rows run in token buckets of 2, 4 and 8 rather than the smallest of
+        # `token_buckets` (16), where such batches step singly (GPU, TPU) and the pipeline runs (one process).
+        # One decoding row of Llama-3-8B on an H100 took 7.21 ms of device time per step in the 16-row bucket,
+        # 6.39 in the 2-row one, 6.44 and 6.60 in the 4- and 8-row ones (attention over 16 query rows, scatters
+        # for the KV writes, matmuls and elementwise work over padding); and 7.53 in a 1-row bucket, where XLA
+        # turns the narrow k/v projections into reductions over the weights' strided columns
+        # (docs/PERFORMANCE.md, twelfth session). They compile in the background after warmup: see step_shape.
+        # A bucket is kept when some row count up to single_step_max_rows lands in it (2 holds 1 and 2 rows).
+        self.small_step_buckets = tuple(
+            b for b in (2, 4, 8) if single_step_max_rows >= 1 and (b == 2 or b // 2 < single_step_max_rows)
+        ) if jax.process_count() == 1 else ()
         # Streamed (DELTA/CUMULATIVE) requests get an output every this many tokens (and at their first and
         # last): the server's --stream-interval. Each output is host work on this thread and an event on a
         # server's loop, one per row per step for rows that decode one token per step (structured output).
@@ -153,10 +157,18 @@ class Engine:
 
     def step_shape(self, num_tokens: int, num_rows: int, num_copies: int = 0) -> BatchShape:
         """The bucket of a single step of `num_tokens` tokens over `num_rows` rows with `num_copies` page
-        copies: the token bucket, or the 1-row decode bucket for one token where `one_row_steps`."""
-        if num_tokens == 1 and num_rows == 1 and num_copies <= 1 and self.one_row_steps:
-            return self.decode_shape(1)
+        copies: for one token per row and at most 8 rows, the smallest of `small_step_buckets` that holds it,
+        once warmup's background compiles are done (until then, and otherwise, the token bucket)."""
+        small = next((b for b in self.small_step_buckets if num_tokens <= b), None)
+        if small is not None and num_tokens == num_rows and self._background_done():
+            shape = BatchShape(small, min(small, pow2_ceil(self.max_num_seqs)), self.pages_per_seq)
+            if num_rows <= shape.seqs and num_copies <= shape.seqs:
+                return shape
         return self.batch_shape(num_tokens)
+
+    def small_step_shapes(self) -> list[BatchShape]:
+        """The shapes of `small_step_buckets` (warmup compiles them in the background)."""
+        return [BatchShape(b, min(b, pow2_ceil(self.max_num_seqs)), self.pages_per_seq) for b in self.small_step_buckets]
 
     def decode_shape(self, num_rows: int) -> BatchShape:
         """The bucket of a multi-step call over `num_rows` sequences: one token per row (T == S), rows
@@ -187,6 +199,9 @@ class Engine:
         speed start after this); True when none is left."""
         if self._background_compile is not None:
             self._background_compile.join(timeout)
+        return self._background_done()
+
+    def _background_done(self) -> bool:
         return self._background_compile is None or not self._background_compile.is_alive()
 
     def add_request(
@@ -449,7 +464,8 @@ class Engine:
         stats = dict(self.scheduler.stats())
         after = None if self._compiles_at_warmup is None else self.num_compiles - self._compiles_at_warmup
         stats.update(num_compiles_after_warmup=after, num_compiles=self.num_compiles, num_steps=self.num_steps,
-                     num_background_compiles=self.runner.num_background_compiles,
+                     num_background_compiles=(self.runner.num_background_compiles
+                                              + self.runner.transfer.num_background_compiles),
                      background_compile_pending=not self.wait_for_background_compile(0),
                      num_overlapped_calls=self.loop.num_overlapped_calls,
                      num_pipelined_steps=self.pipeline.num_pipelined_steps, num_failed_steps=self.num_failed_steps,

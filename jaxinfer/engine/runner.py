@@ -466,10 +466,10 @@ class ModelRunner(CompiledPrograms):
         self.kv_cache, logits = self._logits_step(self.weights, self.kv_cache, batch)
         return logits
 
-    def place(self, batch: Any) -> Any:
+    def place(self, batch: Any, background: bool = False) -> Any:
         """Host arrays -> device, replicated over the mesh (metadata is small); device arrays stay as they are.
         A tuple's elements are packed one by one (jaxinfer.engine.transfer)."""
-        return self.transfer.place(batch)
+        return self.transfer.place(batch, background)
 
 
 def copy_pages(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:

@@ -18,6 +18,7 @@ before it on device.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import threading
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -101,17 +102,19 @@ class Transfer:
         self._programs: dict[Layout, Callable[[jax.Array], list[jax.Array]]] = {}
         self._lock = threading.Lock()
         self.num_compiles = 0  # unpack programs compiled (each once per layout)
+        self.num_background_compiles = 0  # those of them compiled for programs compiled in the background
 
-    def place(self, args: Any) -> Any:
+    def place(self, args: Any, background: bool = False) -> Any:
         """Host arrays -> device (replicated), device arrays as they are. A tuple's elements are packed one by
-        one; anything else is one argument."""
+        one; anything else is one argument. `background`: placed by a background precompile (which counts its
+        unpack programs apart)."""
         parts = list(args) if isinstance(args, tuple) else [args]
         plans = [self._plan(part) for part in parts]
         sent = jax.device_put([h for plan in plans for h in plan.host], self.sharding)  # one call for all
         placed, k = [], 0
         for plan in plans:
             n = len(plan.host)
-            placed.append(plan.finish(sent[k : k + n], self._program))
+            placed.append(plan.finish(sent[k : k + n], functools.partial(self._program, background=background)))
             k += n
         return tuple(placed) if isinstance(args, tuple) else placed[0]
 
@@ -147,7 +150,7 @@ class Transfer:
             host.append(np.concatenate(words) if words else np.zeros(0, np.int32))
         return _Plan(leaves, tree, alone, packed, layout, host)
 
-    def _program(self, layout: Layout) -> Callable[[jax.Array], list[jax.Array]]:
+    def _program(self, layout: Layout, background: bool = False) -> Callable[[jax.Array], list[jax.Array]]:
         program = self._programs.get(layout)
         if program is None:
             with self._lock:
@@ -157,7 +160,10 @@ class Transfer:
                     words = jax.ShapeDtypeStruct((size,), jnp.int32, sharding=self.sharding)
                     fn = jax.jit(lambda buffer: _unpack(buffer, layout), out_shardings=self.sharding)
                     program = self._programs[layout] = fn.lower(words).compile()
-                    self.num_compiles += 1
+                    if background:
+                        self.num_background_compiles += 1
+                    else:
+                        self.num_compiles += 1
         return program
 
 

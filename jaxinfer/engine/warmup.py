@@ -2,11 +2,13 @@
 
 `plan(engine)` lists the programs as `ModelRunner.precompile` takes them, (kind, example arguments after the
 weights and cache, static arguments):
-* the forward of every token bucket (and of the 1-row bucket, for single steps of one token where
-  `Engine.one_row_steps`), and the sampler of every row count they produce (on a GPU also its build without
-  `lax.cond`, for the pipelined single steps);
+* the forward of every token bucket, and the sampler of every row count it produces (on a GPU also its build
+  without `lax.cond`, for the pipelined single steps);
 * speculative decoding's verify programs (and, apart, the draft model's);
 * with multi-step decode, the decode loop of every row bucket.
+
+The small buckets of decode-only single steps (`Engine.small_step_buckets`, 2, 4 and 8 tokens on a GPU or TPU)
+compile in the background too: until they are handed over, such steps run in the 16-token bucket.
 
 On a GPU each decode bucket also has a build without conds (`ModelRunner.takes_branch_free`). It only makes some
 calls faster, so it is compiled after the first token, in the background (`ModelRunner.precompile_in_background`):
@@ -23,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from jaxinfer.engine.batcher import MIN_TOKEN_BUCKET
 from jaxinfer.engine.runner import ForwardInputs
 
 if TYPE_CHECKING:
@@ -42,24 +45,22 @@ def plan(engine: Engine) -> WarmupPlan:
     runner = engine.runner
     now: list[Call] = []
     sampler_rows = set()
-    shapes = [engine.batch_shape(t) for t in engine.token_buckets]
-    if engine.one_row_steps:  # single steps of one token (Engine.step_shape)
-        shapes.insert(0, engine.step_shape(1, 1))
-    for shape in shapes:
+    later: list[Call] = []
+    for shape in [engine.batch_shape(t) for t in engine.token_buckets] + engine.small_step_shapes():
+        calls = now if shape.tokens >= MIN_TOKEN_BUCKET else later  # the small ones serve only once compiled
         batch, inputs = engine._step_args(shape, [], [], [])
-        now.append(("forward", (batch, ForwardInputs.of(inputs)), {}))
+        calls.append(("forward", (batch, ForwardInputs.of(inputs)), {}))
         if shape.seqs not in sampler_rows:  # the sampler's shapes depend on the rows only
             sampler_rows.add(shape.seqs)
             logits = runner.example_logits(shape.seqs)
             args = (engine.penalties, logits, inputs.sampling, inputs.slots, inputs.sample_mask)
-            now.append(("sample", args, {}))
+            calls.append(("sample", args, {}))
             if runner.branch_free_sampler:
-                now.append(("sample", args, {"branch_free": True}))
+                calls.append(("sample", args, {"branch_free": True}))
     draft: list[Call] = []
     if engine.spec is not None:
         verify_calls, draft = engine.spec.warmup_calls()
         now.extend(verify_calls)
-    later: list[Call] = []
     if engine.decode_steps_per_call > 1:
         for rows in engine.decode_row_buckets:
             args = (engine.penalties, *engine._decode_args(engine.decode_shape(rows), [], [], [], 0))

@@ -47,7 +47,7 @@ def _compiled(family, cfg, attention_impl: str, dtype=jnp.float32, single_step: 
     runner = build_runner(cfg, family=family, num_pages=40, page_size=4, attention_impl=attention_impl, dtype=dtype)
     engine = Engine(runner, None, EngineConfig(max_num_seqs=8, max_num_batched_tokens=32),
                     CacheConfig(page_size=4, num_pages=40), use_tqdm=False, decode_steps_per_call=8)
-    engine.one_row_steps = True  # the single step of one token has its own bucket on a GPU or TPU
+    engine.small_step_buckets = (2,)  # decode-only single steps of 1-2 rows, on a GPU or TPU
     texts = [step_hlo(engine, 16), step_hlo(engine, 1)] if single_step else []
     for rows in decode_rows:  # the 1-row bucket's cache write is a dynamic-update-slice, the others' a scatter
         decode = (runner.weights, runner.kv_cache, engine.penalties,

@@ -189,10 +189,10 @@ def test_decode_keeps_to_the_branching_build_until_the_background_one_is_ready(m
     monkeypatch.setattr(run, "branch_free_sampler", True)
     gate, precompile = threading.Event(), run.precompile
 
-    def held(calls, threads=None, stop=None):
+    def held(calls, threads=None, stop=None, background=False):
         if getattr(run._in_background, "on", False):
             assert gate.wait(300)
-        return precompile(calls, threads, stop=stop)
+        return precompile(calls, threads, stop=stop, background=background)
 
     monkeypatch.setattr(run, "precompile", held)
     builds: list[bool] = []

@@ -259,21 +259,25 @@ def test_small_decode_batches_run_pipelined_single_steps_and_large_ones_multi_st
     assert engine.stats()["num_pipelined_steps"] > 0
 
 
-def test_one_row_single_steps_run_in_the_one_row_bucket(monkeypatch) -> None:
-    """Where decode batches of a few rows step singly (`single_step_max_rows` >= 1: GPUs and TPUs), a step of one
-    token runs in the 1-row bucket (`Engine.step_shape`), not the smallest token bucket: sampled tokens,
-    penalties and logprobs equal those of the engine without the 1-row bucket, and nothing compiles after warmup."""
+def test_decode_steps_of_few_rows_run_in_small_buckets(monkeypatch) -> None:
+    """Where decode batches of a few rows step singly (`single_step_max_rows` >= 1: GPUs and TPUs), a decode-only
+    step runs in the smallest of `small_step_buckets` that holds its rows (2 for one row), once warmup's
+    background compiles are done: sampled tokens, penalties and logprobs equal those of the engine without small
+    buckets, and nothing compiles after warmup."""
     from jaxinfer.engine.runner import ModelRunner
 
     params = [SamplingParams(temperature=0.9, top_p=0.9, seed=3, max_tokens=20, ignore_eos=True, logprobs=2,
                              repetition_penalty=1.3)]
     runs = {}
-    for one_row in (True, False):
+    for small in (True, False):
         engine = Engine(shared_runner(16), None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16,
                                                               max_model_len=MAX_LEN),
                         CacheConfig(page_size=16), use_tqdm=False, decode_steps_per_call=4, single_step_max_rows=1)
-        engine.one_row_steps = one_row
+        assert engine.small_step_buckets == (2,)
+        if not small:
+            engine.small_step_buckets = ()
         engine.warmup()
+        assert engine.wait_for_background_compile()
         buckets = []
         forward = ModelRunner.forward
 
@@ -282,18 +286,23 @@ def test_one_row_single_steps_run_in_the_one_row_bucket(monkeypatch) -> None:
             return _forward(self, batch, *args)
 
         monkeypatch.setattr(ModelRunner, "forward", spy)
-        runs[one_row] = engine.generate(PROMPTS[:1], params)
+        runs[small] = engine.generate(PROMPTS[:1], params)
         monkeypatch.undo()
         _check_clean(engine, True)
-        assert buckets[0] == 16 and set(buckets[1:]) == ({1} if one_row else {16}), buckets
+        assert buckets[0] == 16 and set(buckets[1:]) == ({2} if small else {16}), buckets
     (a,), (b,) = runs[True], runs[False]
     assert a.token_ids == b.token_ids
     np.testing.assert_allclose([lp[t].logprob for lp, t in zip(a.outputs[0].logprobs, a.token_ids)],
                                [lp[t].logprob for lp, t in zip(b.outputs[0].logprobs, b.token_ids)], atol=1e-5)
-    # The greedy tokens of one row in the 1-row bucket are the reference's.
+    # Greedy rows in the 2- and 4-token buckets give the reference's tokens; rows that finish early leave the
+    # others to a smaller bucket.
     engine = Engine(shared_runner(16), None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16,
                                                           max_model_len=MAX_LEN),
-                    CacheConfig(page_size=16), use_tqdm=False, decode_steps_per_call=4, single_step_max_rows=1)
+                    CacheConfig(page_size=16), use_tqdm=False, decode_steps_per_call=4, single_step_max_rows=4)
+    assert engine.small_step_buckets == (2, 4)
     engine.warmup()
-    assert engine.generate(PROMPTS[3:], GREEDY)[0].token_ids == reference_greedy(tuple(PROMPTS[3]), GREEDY.max_tokens)
+    assert engine.wait_for_background_compile()
+    lengths = (3, 6, 9, 20)
+    outs = engine.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths])
+    assert [o.token_ids for o in outs] == [reference_greedy(tuple(p), n) for p, n in zip(PROMPTS, lengths)]
     _check_clean(engine, True)
