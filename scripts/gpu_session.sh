@@ -53,8 +53,8 @@
 #                (default: Llama-3-8B, batches 1 and 64): $OUT/xla_flags.jsonl
 #   trace_b1     scripts/trace_engine.py at batch 1, Llama-3-8B: pipelined single steps against the multi-step loop
 #                (overlapped), 16 engine steps each: $OUT/trace_b1.json and the raw Perfetto traces
-#   single_step  scripts/profile_single_step.py: one decoding row's single step in token buckets 1, 2, 4, 8, 16
-#                (device time, host launch time, kernels): $OUT/single_step.json
+#   single_step  scripts/profile_single_step.py: one decoding row's single step in token buckets SS_BUCKETS (2 16)
+#                under compiler options SS_VARIANTS (plain): step, device and host launch time: $OUT/single_step.json
 #   ab_b1        batch-1 decode (end to end and device only) of .ab_old (a git worktree, carried) and this tree,
 #                alternating twice: $OUT/ab_b1.jsonl
 #   ab_grid      issue 12's TP=1 bar: the run of record's fixed grids and decode at batch 1 through the public
@@ -189,7 +189,7 @@ print(f(llm.describe()))' ;;
       run trace_b1 400 python3 scripts/trace_engine.py --batch 1 --memory-fraction 0.85 --max-num-batched-tokens 512 \
         --single-step-max-rows 8 0 --overlap-only --calls 16 --out "$OUT/trace_b1.json" ;;
     single_step)
-      run single_step 400 python3 scripts/profile_single_step.py --buckets ${SS_BUCKETS:-1 2 4 8 16} \
+      run single_step 500 python3 scripts/profile_single_step.py --buckets ${SS_BUCKETS:-2 16} --variants ${SS_VARIANTS:-plain} \
         --out "$OUT/single_step.json" ;;
     ab_b1)
       run ab_b1 590 python3 scripts/ab_bench.py --trees .ab_old . --repeats 2 --out "$OUT/ab_b1.jsonl" -- \

@@ -1,18 +1,22 @@
-"""Which bucket a single step of one decoding row should run in: the step's device time, its host time to
-launch and its kernels, per candidate token bucket, for one real decoding row.
+"""How a single step of one decoding row should run: per candidate token bucket and per set of XLA compiler
+options for the step's two programs, the step's time, the host's time to launch it, and its kernels.
 
-    JAX_PLATFORMS=cuda PYTHONPATH=$PWD python3 scripts/profile_single_step.py --buckets 1 2 4 8 16 --out $OUT/x.json
+    JAX_PLATFORMS=cuda PYTHONPATH=$PWD python3 scripts/profile_single_step.py --buckets 2 16 \
+        --variants plain graphs graphs_skip_temp --out $OUT/single_step.json
 
 Each bucket is a (tokens, rows) shape of `Engine._step_args`; the row is the same sequence (ctx tokens of
-context) in every one, its padding rows write to the trash page. The forward and the sampler (its branch-free build where the
-pipeline would take it) run back to back `--calls` times without reading anything back, so the per-call time
-is the device's when the host keeps ahead, and `launch_ms` (the host's time to make the two calls) says whether
-it does.
+context) in every one, its padding rows write to the trash page. Like a pipelined engine step, every call
+places a fresh copy of the batch from the host (so its buffers sit at new addresses), runs the forward, then
+the sampler (its branch-free build where the pipeline would take it), `--calls` times back to back without
+reading anything back: the per-call time is the device's when the host keeps ahead, and `launch_ms` (the
+host's time to make one call) says whether it does. Variants (`VARIANTS`) recompile both programs with other
+compiler options than the runner's own (runner.NO_COMMAND_BUFFERS).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 from pathlib import Path
@@ -24,24 +28,39 @@ from jaxinfer import LLM
 from jaxinfer.bench.measure import _start_decoding, kernel_profile
 from jaxinfer.bench.workloads import fixed, prompts
 from jaxinfer.engine.batcher import BatchShape
-from jaxinfer.engine.runner import ForwardInputs
+from jaxinfer.engine.runner import NO_COMMAND_BUFFERS, ForwardInputs
+
+VARIANTS = {
+    "plain": NO_COMMAND_BUFFERS,  # what the runner compiles: kernels launched one by one
+    "graphs": {},  # XLA's default CUDA graphs, updated when an input moves
+    "graphs_skip_temp": {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"},
+    "graphs_skip_profiled": {"xla_gpu_command_buffer_update_mode": "SKIP_PROFILED"},
+}
+
+def programs(runner, options: dict) -> tuple:
+    """The runner's forward and sampler entry points jitted with `options`."""
+    forward = jax.jit(functools.partial(runner._forward_step_impl, attn_fn=runner.attn_fn), donate_argnums=(1,),
+                      compiler_options=options)
+    sampler = jax.jit(runner._sample_logits_impl, donate_argnums=(0,), static_argnames=("branch_free",),
+                      compiler_options=options)
+    return forward, sampler
 
 
-def profile_bucket(llm: LLM, plan, slots: list[int], tokens: int, calls: int) -> dict:
+def profile(llm: LLM, plan, slots: list[int], tokens: int, calls: int, options: dict) -> dict:
     engine, runner = llm.engine, llm.engine.runner
     shape = BatchShape(tokens=tokens, seqs=tokens, pages_per_seq=engine.pages_per_seq)
-    batch, inputs = engine._step_args(shape, plan.seqs, [], slots)
-    # Placed once, and the sampler's build as the pipeline picks it (branch-free on a GPU: no host sync).
-    batch, fwd = runner.place((batch, ForwardInputs.of(inputs)))
+    host_batch, inputs = engine._step_args(shape, plan.seqs, [], slots)
     sampler_args = runner.place((inputs.sampling, inputs.slots, inputs.sample_mask))
     branch_free = runner.takes_branch_free(inputs.sampling)
+    forward, sampler = programs(runner, options)
 
     def run():
-        logits = runner.forward(batch, fwd).logits
-        engine.penalties, out = runner.sample(engine.penalties, logits, *sampler_args, branch_free=branch_free)
+        batch, fwd = runner.place((host_batch, ForwardInputs.of(inputs)))  # new buffers, as in every engine step
+        runner.kv_cache, step = forward(runner.weights, runner.kv_cache, batch, fwd)
+        engine.penalties, out = sampler(engine.penalties, step.logits, *sampler_args, branch_free=branch_free)
         return out
 
-    jax.block_until_ready(run())  # compiles this bucket (outside the engine's warmup, so not counted there)
+    jax.block_until_ready(run())  # compiles (outside the engine's warmup, so not counted there)
     launch, per_call = [], []
     for _ in range(3):
         t = time.perf_counter()
@@ -63,7 +82,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="llama-3-8b")
     p.add_argument("--ctx", type=int, default=1024)
-    p.add_argument("--buckets", type=int, nargs="+", default=[1, 2, 4, 8, 16])
+    p.add_argument("--buckets", type=int, nargs="+", default=[2, 16])
+    p.add_argument("--variants", nargs="+", default=["plain"], choices=sorted(VARIANTS))
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--memory-fraction", type=float, default=0.85)
     p.add_argument("--out", default="profile_single_step.json")
@@ -75,16 +95,18 @@ def main() -> None:
     states = _start_decoding(engine, prompts(fixed(args.ctx, 1, 1), llm.model_config.vocab_size, 7))
     plan = engine.scheduler.schedule()  # the one row decodes one token
     slots = engine._slot_rows(plan)
-    result = {"model": args.model, "ctx": args.ctx, "device": jax.devices()[0].device_kind, "buckets": []}
-    for tokens in args.buckets:
-        row = profile_bucket(llm, plan, slots, tokens, args.calls)
-        result["buckets"].append(row)
-        k = row["kernels"]
-        print(json.dumps({"tokens": tokens, "ms_per_call": round(row["ms_per_call"], 3),
-                          "launch_ms": round(row["launch_ms"], 3),
-                          "device_ms": round(k.get("total_ms_per_call", float("nan")), 3),
-                          "by_class": {c: round(v, 3) for c, v in k.get("ms_per_call_by_class", {}).items()}}),
-              flush=True)
+    result = {"model": args.model, "ctx": args.ctx, "device": jax.devices()[0].device_kind, "runs": []}
+    for variant in args.variants:
+        for tokens in args.buckets:
+            try:
+                row = {"variant": variant, **profile(llm, plan, slots, tokens, args.calls, VARIANTS[variant])}
+            except Exception as e:  # noqa: BLE001 - an option this XLA refuses: say so, go on
+                row = {"variant": variant, "tokens": tokens, "error": f"{type(e).__name__}: {e}"[:300]}
+            result["runs"].append(row)
+            k = row.get("kernels", {})
+            print(json.dumps({key: (round(v, 3) if isinstance(v, float) else v) for key, v in row.items()
+                              if key != "kernels"} | {"device_ms": round(k.get("total_ms_per_call", float("nan")), 3)}),
+                  flush=True)
     for state in states:
         engine.abort(state.request_id)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
