@@ -83,7 +83,11 @@ def tile_table(cu_q_lens: jax.Array, num_seqs: jax.Array, tokens_per_tile: int,
     tiles = (q_lens + tokens_per_tile - 1) // tokens_per_tile  # [S]
     ends = jnp.cumsum(tiles)  # [S]
     w = jnp.arange(max_tiles, dtype=jnp.int32)
-    seq = jnp.minimum(jnp.searchsorted(ends, w, side="right"), num_slots - 1)  # [W]
+    # "compare_all": the default "scan" search is a while loop, and XLA's GPU runtime reads a while loop's
+    # predicate back to the host every iteration, so the host could not queue a step's kernels ahead of the
+    # device (this and _gather_rows' search were the only loops of a decode forward; docs/PERFORMANCE.md,
+    # twelfth session). Comparing every tile with every sequence end is one small fused kernel.
+    seq = jnp.minimum(jnp.searchsorted(ends, w, side="right", method="compare_all"), num_slots - 1)  # [W]
     base = ends - tiles  # [S]
     tok0 = cu_q_lens[seq] + (w - base[seq]) * tokens_per_tile
     tok0 = jnp.where(w < ends[-1], tok0, -1)
@@ -394,7 +398,8 @@ def _gather_rows(o_tiles, cu_q_lens, num_seqs, tile_base, num_tokens, group):
         o_tiles = o_tiles[:, :, :used_rows]  # [K, W, G*Bt, H]: the padding rows hold no query
     t = jnp.arange(num_tokens, dtype=jnp.int32)
     real_end = cu_q_lens[num_seqs[0]]
-    seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], t, side="right"), 0, tile_base.shape[0] - 1)
+    seq = jnp.clip(jnp.searchsorted(cu_q_lens[1:], t, side="right", method="compare_all"), 0,
+                   tile_base.shape[0] - 1)  # [T]; loop-free, see tile_table
     within = t - cu_q_lens[seq]
     tile = jnp.clip(tile_base[seq] + within // tokens_per_tile, 0, num_tiles - 1)  # [T]
     r = within % tokens_per_tile  # [T]

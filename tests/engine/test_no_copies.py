@@ -96,3 +96,33 @@ def test_one_row_decode_loop_on_gpu(name: str) -> None:
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU (jax.default_backend() != 'gpu')")
     _check(name, "reference", jnp.bfloat16, single_step=False, decode_rows=(1,))
+
+
+# XLA's GPU runtime reads a while loop's predicate back to the host on every iteration, so a loop in a step's
+# forward (there were two: jnp.searchsorted's default "scan" in the attention kernel's wrapper) kept the host
+# from queueing that step's kernels until the device reached the loop. With the platform's attention kernel the
+# forward of every single-step bucket has no loop, and the decode program has one: the decode loop itself.
+@pytest.mark.gpu
+def test_forward_has_no_loop_and_decode_one_on_gpu() -> None:
+    if jax.default_backend() != "gpu":
+        pytest.skip("needs a GPU (jax.default_backend() != 'gpu')")
+    from jaxinfer.engine.runner import ForwardInputs
+    from jaxinfer.presets import load_preset
+
+    cfg = load_preset("llama-3-8b").replace(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                                            num_kv_heads=2, head_dim=64, vocab_size=4096)
+    runner = build_runner(cfg, num_pages=40, page_size=16, attention_impl="auto", dtype=jnp.bfloat16)
+    engine = Engine(runner, None, EngineConfig(max_num_seqs=8, max_num_batched_tokens=32),
+                    CacheConfig(page_size=16, num_pages=40), use_tqdm=False, decode_steps_per_call=8,
+                    single_step_max_rows=8)
+    loops = re.compile(r"\bwhile\(")
+    for shape in engine.small_step_shapes() + [engine.batch_shape(t) for t in engine.token_buckets]:
+        batch, inputs = engine._step_args(shape, [], [], [])
+        placed = runner.place((batch, ForwardInputs.of(inputs)))
+        text = runner._forward_step.lower(runner.weights, runner.kv_cache, *placed).compile().as_text()
+        assert "mosaic" in text.lower() and not loops.findall(text), shape
+    for rows in (1, 16):
+        decode = (runner.weights, runner.kv_cache, engine.penalties,
+                  *engine._decode_args(engine.decode_shape(rows), [], [], [], 0))
+        text = runner._decode_steps.lower(*decode, max_steps=8, branch_free=True).compile().as_text()
+        assert len(loops.findall(text)) == 1, rows

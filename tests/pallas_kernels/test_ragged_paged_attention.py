@@ -193,6 +193,19 @@ def test_gpu_gather_rows_inverts_tile_queries(rng, group):
     assert not back[real:].any()
 
 
+def test_gpu_wrapper_metadata_has_no_loop(rng):
+    """The GPU kernel's tile table and row gather run loop-free: XLA's GPU runtime reads a while loop's predicate
+    back to the host every iteration, so one loop in a step's forward (jnp.searchsorted's default "scan") kept the
+    host from launching the step's kernels ahead of the device."""
+    from pallas_kernels.ragged_paged_attention import gpu
+    q, cu, num_seqs, tok0, base = _tile_inputs(rng, 4, 16)
+    tiles = gpu.tile_queries(q, tok0, 4, 2).transpose(1, 0, 2, 3)  # [K, W, 64, H]
+    table = jax.make_jaxpr(lambda c, n: gpu.tile_table(c, n, 16, 12))(cu, num_seqs)
+    gather = jax.make_jaxpr(lambda t, c, n, b: gpu._gather_rows(t, c, n, b, q.shape[0], 4))(tiles, cu, num_seqs, base)
+    for jaxpr in (table, gather):
+        assert "while" not in str(jaxpr) and "scan" not in str(jaxpr)  # a fori_loop traces to a scan
+
+
 def test_gpu_tile_rows_fill_the_64_row_tile():
     from pallas_kernels.ragged_paged_attention import gpu
     for group in range(1, 65):
