@@ -91,8 +91,6 @@ class Engine:
         self.small_step_buckets = tuple(
             b for b in (2, 4, 8) if single_step_max_rows >= 1 and (b == 2 or b // 2 < single_step_max_rows)
         ) if jax.process_count() == 1 else ()
-        if runner.branch_free_sampler:  # a GPU: their forwards run as CUDA graphs (ModelRunner.graph_step_tokens)
-            runner.graph_step_tokens = max(self.small_step_buckets, default=0)
         # Streamed (DELTA/CUMULATIVE) requests get an output every this many tokens (and at their first and
         # last): the server's --stream-interval. Each output is host work on this thread and an event on a
         # server's loop, one per row per step for rows that decode one token per step (structured output).

@@ -205,15 +205,6 @@ class ModelRunner(CompiledPrograms):
         # next forward before it has read this step's tokens (pipelined single steps, pipeline.py).
         self._forward_step = jax.jit(functools.partial(self._forward_step_impl, attn_fn=attn_fn), donate_argnums=(1,),
                                      compiler_options=NO_COMMAND_BUFFERS)
-        # The forwards of decode-only steps of a few rows (Engine.small_step_buckets) keep XLA's CUDA graphs: with
-        # no loop left in the forward (the attention wrapper's searches are loop-free) the graph update costs less
-        # than launching ~700 kernels one by one, and a step at batch 1 is short enough for the host's launch
-        # to be the bound: on an H100, Llama-3-8B, one row, the launch took 4.8 ms with graphs and 6.3 ms
-        # without, the device 6.4 ms either way (scripts/profile_single_step.py, docs/PERFORMANCE.md, twelfth
-        # session). `graph_step_tokens`: the largest such bucket (0: none; the engine sets it).
-        self._forward_step_graphs = jax.jit(functools.partial(self._forward_step_impl, attn_fn=attn_fn),
-                                            donate_argnums=(1,))
-        self.graph_step_tokens = 0
         self._sample_logits = jax.jit(self._sample_logits_impl, donate_argnums=(0,), static_argnames=("branch_free",),
                                       compiler_options=NO_COMMAND_BUFFERS)
         # On GPUs the single-step sampler has a second build without `lax.cond` (sampling.sample's
@@ -234,8 +225,7 @@ class ModelRunner(CompiledPrograms):
             functools.partial(self._verify_step_impl, attn_fn=attn_fn), donate_argnums=(1, 2)
         )
         self.attn_fn = attn_fn  # for entry points registered from outside (a draft model's proposal loop)
-        self._entry_points = {"forward": self._forward_step, "forward_graphs": self._forward_step_graphs,
-                              "sample": self._sample_logits,
+        self._entry_points = {"forward": self._forward_step, "sample": self._sample_logits,
                               "decode": self._decode_steps, "verify": self._verify_step}
         # Prompt logprobs are their own program over the forward's hidden states, for the rare steps that ask:
         # as a `lax.cond` inside the forward, XLA's GPU runtime read the predicate back to the host in every
@@ -446,14 +436,9 @@ class ModelRunner(CompiledPrograms):
         prompt = self.prompt_logprobs(step.hidden, inputs.prompt_next_ids) if inputs.want_prompt_logprobs else None
         return penalties, StepOutput(sampled, prompt, step.expert_counts)
 
-    def forward_kind(self, num_tokens: int) -> str:
-        """The entry point of a forward over a `num_tokens` bucket: with CUDA graphs up to `graph_step_tokens`."""
-        return "forward_graphs" if num_tokens <= self.graph_step_tokens else "forward"
-
     def forward(self, batch: StepBatch, fwd: ForwardInputs) -> StepLogits:
         """The model half of a step (`_forward_step_impl`); the cache is updated in place (donated)."""
-        self.kv_cache, out = self._dispatch(self.forward_kind(batch.token_ids.shape[0]),
-                                            (self.weights, self.kv_cache, batch, fwd), {})
+        self.kv_cache, out = self._dispatch("forward", (self.weights, self.kv_cache, batch, fwd), {})
         return out
 
     def sample(self, penalties: PenaltyState, logits: jax.Array, sampling: SamplingArrays, slots: jax.Array,

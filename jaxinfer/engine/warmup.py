@@ -49,7 +49,7 @@ def plan(engine: Engine) -> WarmupPlan:
     for shape in [engine.batch_shape(t) for t in engine.token_buckets] + engine.small_step_shapes():
         calls = now if shape.tokens >= MIN_TOKEN_BUCKET else later  # the small ones serve only once compiled
         batch, inputs = engine._step_args(shape, [], [], [])
-        calls.append((runner.forward_kind(shape.tokens), (batch, ForwardInputs.of(inputs)), {}))
+        calls.append(("forward", (batch, ForwardInputs.of(inputs)), {}))
         if shape.seqs not in sampler_rows:  # the sampler's shapes depend on the rows only
             sampler_rows.add(shape.seqs)
             logits = runner.example_logits(shape.seqs)
