@@ -33,6 +33,7 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from jaxinfer.bench.measure import back_to_back
 from jaxinfer.engine import pipeline, runner
 
 LOG: list[tuple[float, str, str]] = []
@@ -147,17 +148,8 @@ def timeline(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 def per_call_ms(fn: Callable[[], Any], calls: int = 20) -> tuple[float, float]:
     """(device ms per call with `calls` calls queued back to back, median ms for one call to return)."""
-    jax.block_until_ready(fn())
-    periods, returns = [], []
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(calls - 1):
-            c = time.perf_counter()
-            fn()
-            returns.append(time.perf_counter() - c)
-        jax.block_until_ready(fn())
-        periods.append((time.perf_counter() - t) / calls)
-    return float(np.median(periods) * 1e3), _median_ms(returns)
+    period, returns = back_to_back(fn, calls)
+    return period * 1e3, returns * 1e3
 
 
 def gil_probe(call: Callable[[], Any], before: Callable[[], Any], wait_first: bool = False) -> float:

@@ -18,14 +18,12 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import time
 from pathlib import Path
 
 import jax
-import numpy as np
 
 from jaxinfer import LLM
-from jaxinfer.bench.measure import _start_decoding, kernel_profile
+from jaxinfer.bench.measure import _start_decoding, back_to_back, kernel_profile
 from jaxinfer.bench.workloads import fixed, prompts
 from jaxinfer.engine.batcher import BatchShape
 from jaxinfer.engine.runner import NO_COMMAND_BUFFERS, ForwardInputs
@@ -60,22 +58,13 @@ def profile(llm: LLM, plan, slots: list[int], tokens: int, calls: int, options: 
         engine.penalties, out = sampler(engine.penalties, step.logits, *sampler_args, branch_free=branch_free)
         return out
 
-    jax.block_until_ready(run())  # compiles (outside the engine's warmup, so not counted there)
-    launch, per_call = [], []
-    for _ in range(3):
-        t = time.perf_counter()
-        for _ in range(calls - 1):
-            s = time.perf_counter()
-            run()
-            launch.append(time.perf_counter() - s)
-        jax.block_until_ready(run())
-        per_call.append((time.perf_counter() - t) / calls)
+    per_call, launch = back_to_back(run, calls)  # its warm call compiles (outside warmup, not counted there)
     try:
         kernels = kernel_profile(lambda: [run() for _ in range(5)], calls=5, top=16)
     except Exception as e:  # the profiler needs CUPTI on GPUs; the timings stand without it
         kernels = {"error": f"{type(e).__name__}: {e}"[:300]}
-    return {"tokens": tokens, "branch_free_sampler": branch_free, "ms_per_call": float(np.median(per_call)) * 1e3,
-            "launch_ms": float(np.median(launch)) * 1e3, "kernels": kernels}
+    return {"tokens": tokens, "branch_free_sampler": branch_free, "ms_per_call": per_call * 1e3,
+            "launch_ms": launch * 1e3, "kernels": kernels}
 
 
 def main() -> None:

@@ -196,6 +196,23 @@ def prefill_mfu(llm: Any, cost: ModelCost, tokens: int, rate: float) -> dict[str
     return {"tokens": tokens, "prefill_s": elapsed, "tflops": flops / elapsed / 1e12, "mfu": flops / elapsed / rate}
 
 
+def back_to_back(fn: Callable[[], Any], calls: int = 20) -> tuple[float, float]:
+    """`fn` (a device call that reads nothing back) made `calls` times in a row, three times over, after a warm
+    call: (median seconds per call, median seconds for one call to return to the host). The first is the
+    device's time per call when the host keeps ahead; the second says whether it does."""
+    jax.block_until_ready(fn())
+    periods, returns = [], []
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(calls - 1):
+            c = time.perf_counter()
+            fn()
+            returns.append(time.perf_counter() - c)
+        jax.block_until_ready(fn())
+        periods.append((time.perf_counter() - t) / calls)
+    return float(np.median(periods)), float(np.median(returns))
+
+
 def decode_device_profile(llm: Any, cost: ModelCost, batch: int, ctx: int, copy_bw: float, calls: int = 20) -> dict[str, Any]:
     """Device time of one decode step with the host taken out: the same step's arguments dispatched
     `calls` times back to back (asynchronously, so the device never waits for the host), for the single
@@ -219,18 +236,7 @@ def decode_device_profile(llm: Any, cost: ModelCost, batch: int, ctx: int, copy_
                                                     branch_free=runner.takes_branch_free(decode_args[1].sampling))
         return out
 
-    def per_call(fn: Callable[[], Any]) -> float:
-        jax.block_until_ready(fn())
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            for _ in range(calls - 1):
-                fn()
-            jax.block_until_ready(fn())
-            times.append((time.perf_counter() - t) / calls)
-        return float(np.median(times))
-
-    single, multi = per_call(run_single), per_call(run_multi) / n
+    single, multi = back_to_back(run_single, calls)[0], back_to_back(run_multi, calls)[0] / n
     try:
         kernels = kernel_profile(lambda: [run_single() for _ in range(5)], calls=5)
     except Exception as e:  # the profiler needs CUPTI on GPUs; the timings above stand without it
