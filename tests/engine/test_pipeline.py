@@ -205,13 +205,14 @@ def test_pipeline_on_gpu_with_the_platform_kernels() -> None:
     """On a GPU the forward holds the Pallas attention kernel and the sampler is the branch-free build; launched
     from the launcher thread ahead of the host, they must still give the tokens of the unpipelined engine with the
     branching sampler (bf16, so the comparison is engine against engine rather than against the float64
-    reference)."""
+    reference). Decode steps run in the small token buckets (Engine.small_step_buckets) once compiled."""
     import jax
 
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU (jax.default_backend() != 'gpu')")
-    cfg = load_preset("llama-3-8b").replace(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=8,
-                                            num_kv_heads=2, head_dim=32, vocab_size=4096)
+    # head_dim 64: the smallest the GPU kernel takes (at 32 the forward fell back to the jnp reference).
+    cfg = load_preset("llama-3-8b").replace(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
+                                            num_kv_heads=2, head_dim=64, vocab_size=4096)
     prompts = [list(range(3 + i, 40 + 7 * i)) for i in range(6)]
     params = [SamplingParams(temperature=0.7, seed=i, max_tokens=48, ignore_eos=True) for i in range(6)]
     runs = {}
@@ -219,6 +220,8 @@ def test_pipeline_on_gpu_with_the_platform_kernels() -> None:
         llm = LLM(cfg, random_weights=True, dtype="bfloat16", max_num_seqs=16, max_model_len=256,
                   decode_steps_per_call=1, overlap_decode=pipeline, use_tqdm=False)
         assert llm.engine.runner.branch_free_sampler
+        assert llm.engine.small_step_buckets == (2, 4, 8)
+        llm.wait_for_background_compile()  # the 6 decoding rows step in the 8-token bucket, fewer rows in smaller
         # The unpipelined engine samples with the branching build: the branch-free one must agree with it.
         llm.engine.runner.branch_free_sampler = pipeline
         runs[pipeline] = [o.token_ids for o in llm.generate(prompts, params)]
