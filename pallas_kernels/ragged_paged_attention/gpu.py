@@ -366,13 +366,21 @@ def default_num_splits(num_tiles: int, kv_heads: int, max_kv_blocks: int) -> int
 
 
 def _combine_splits(o_parts, lse_parts):
-    """Merges flash-decoding splits: [splits, K, W, 64, H], [splits, K, W, 64] -> [K, W, 64, H]."""
-    if o_parts.shape[0] == 1:
+    """Merges flash-decoding splits: [splits, K, W, 64, H], [splits, K, W, 64] -> [K, W, 64, H].
+
+    Written as elementwise work over the (static, few) splits rather than reductions over a splits axis: XLA
+    fuses it into one kernel, where max, exp2, sum, divide and the weighted sum were separate ones, each a
+    kernel launch per layer in every step (at batch 1 a step is bound by the host's launches)."""
+    num_splits = o_parts.shape[0]
+    if num_splits == 1:
         return o_parts[0]
-    lse_max = lse_parts.max(axis=0, keepdims=True)  # [1, K, W, 64]
-    weights = jnp.exp2(lse_parts - lse_max)  # [splits, K, W, 64]
-    weights = weights / weights.sum(axis=0, keepdims=True)
-    return jnp.einsum("skwr,skwrh->kwrh", weights, o_parts.astype(jnp.float32))
+    lse = [lse_parts[s] for s in range(num_splits)]  # splits x [K, W, 64]
+    lse_max = functools.reduce(jnp.maximum, lse)  # [K, W, 64]
+    weights = [jnp.exp2(x - lse_max) for x in lse]  # splits x [K, W, 64]
+    total = functools.reduce(jnp.add, weights)  # [K, W, 64]
+    acc = functools.reduce(jnp.add, [w[..., None] * o_parts[s].astype(jnp.float32)
+                                     for s, w in enumerate(weights)])  # [K, W, 64, H]
+    return acc / total[..., None]
 
 
 def tile_queries(q, tile_tok0, group: int, kv_heads: int):

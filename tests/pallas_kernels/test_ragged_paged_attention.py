@@ -206,6 +206,20 @@ def test_gpu_wrapper_metadata_has_no_loop(rng):
         assert "while" not in str(jaxpr) and "scan" not in str(jaxpr)  # a fori_loop traces to a scan
 
 
+@pytest.mark.parametrize("splits", [2, 5, 16])
+def test_gpu_combine_splits_weights_each_split_by_its_share(rng, splits):
+    """The flash-decoding merge (one fused kernel of elementwise work over the splits) equals the softmax-weighted
+    sum over a splits axis; a split that saw no keys (lse far below the rest) gets no weight."""
+    from pallas_kernels.ragged_paged_attention import gpu
+    o = rng.standard_normal((splits, 2, 3, 64, 16)).astype(np.float32)
+    lse = (rng.standard_normal((splits, 2, 3, 64)) * 5).astype(np.float32)
+    lse[-1] = -1e30  # an empty split
+    weights = np.exp2(lse - lse.max(0, keepdims=True))
+    want = np.einsum("skwr,skwrh->kwrh", weights / weights.sum(0, keepdims=True), o)
+    np.testing.assert_allclose(np.asarray(gpu._combine_splits(jnp.asarray(o), jnp.asarray(lse))), want,
+                               rtol=1e-5, atol=1e-5)
+
+
 def test_gpu_tile_rows_fill_the_64_row_tile():
     from pallas_kernels.ragged_paged_attention import gpu
     for group in range(1, 65):
