@@ -3,8 +3,10 @@ to the device's busy fraction, its idle gaps, and what the host threads were doi
 
     JAX_PLATFORMS=cuda PYTHONPATH=$PWD python3 scripts/trace_engine.py --batch 64 --out $OUT/trace.json
 
-Runs the same decode twice, with overlapped decode off and on, after one shared warmup. The raw Perfetto
-traces are kept beside --out for a look in ui.perfetto.dev.
+Runs the same decode twice, with overlapped decode off and on (`--overlap-only`: on only), after one shared
+warmup; with `--single-step-max-rows 8 0`, once per value of that knob (pipelined single steps against the
+multi-step loop). Each run also lists the device's kernels (count, total time) and the host's events. The raw
+Perfetto traces are kept beside --out for a look in ui.perfetto.dev.
 """
 
 from __future__ import annotations
