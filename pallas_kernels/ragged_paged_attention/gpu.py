@@ -365,6 +365,9 @@ def default_num_splits(num_tiles: int, kv_heads: int, max_kv_blocks: int) -> int
     return max(1, min(-(-2 * _NUM_SMS // ctas), max_kv_blocks))
 
 
+_UNROLLED_SPLITS = 32  # up to this many splits the merge is written out split by split (_combine_splits)
+
+
 def _combine_splits(o_parts, lse_parts):
     """Merges flash-decoding splits: [splits, K, W, 64, H], [splits, K, W, 64] -> [K, W, 64, H].
 
@@ -375,6 +378,11 @@ def _combine_splits(o_parts, lse_parts):
     num_splits = o_parts.shape[0]
     if num_splits == 1:
         return o_parts[0]
+    if num_splits > _UNROLLED_SPLITS:  # one KV head and a long context (up to 2 x SMs splits): keep the HLO small
+        lse_max = lse_parts.max(axis=0, keepdims=True)  # [1, K, W, 64]
+        weights = jnp.exp2(lse_parts - lse_max)  # [splits, K, W, 64]
+        weights = weights / weights.sum(axis=0, keepdims=True)
+        return jnp.einsum("skwr,skwrh->kwrh", weights, o_parts.astype(jnp.float32))
     lse = [lse_parts[s] for s in range(num_splits)]  # splits x [K, W, 64]
     lse_max = functools.reduce(jnp.maximum, lse)  # [K, W, 64]
     weights = [jnp.exp2(x - lse_max) for x in lse]  # splits x [K, W, 64]

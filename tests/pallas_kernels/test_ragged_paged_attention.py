@@ -206,10 +206,11 @@ def test_gpu_wrapper_metadata_has_no_loop(rng):
         assert "while" not in str(jaxpr) and "scan" not in str(jaxpr)  # a fori_loop traces to a scan
 
 
-@pytest.mark.parametrize("splits", [2, 5, 16])
+@pytest.mark.parametrize("splits", [2, 5, 16, 40])
 def test_gpu_combine_splits_weights_each_split_by_its_share(rng, splits):
-    """The flash-decoding merge (one fused kernel of elementwise work over the splits) equals the softmax-weighted
-    sum over a splits axis; a split that saw no keys (lse far below the rest) gets no weight."""
+    """The flash-decoding merge (elementwise work over the splits, or reductions over a splits axis past 32 of them)
+    equals the softmax-weighted sum over the splits; a split that saw no keys (lse far below the rest) gets no
+    weight."""
     from pallas_kernels.ragged_paged_attention import gpu
     o = rng.standard_normal((splits, 2, 3, 64, 16)).astype(np.float32)
     lse = (rng.standard_normal((splits, 2, 3, 64)) * 5).astype(np.float32)
