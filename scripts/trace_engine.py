@@ -49,8 +49,12 @@ def summarize(events: list[dict], min_gap_us: float) -> dict:
     gaps = [(a[1], b[0]) for a, b in zip(busy, busy[1:]) if b[0] - a[1] >= min_gap_us]
     during: dict[str, float] = {}
     host: dict[str, float] = {}
+    kernels: dict[str, list[float]] = {}  # name -> [count, total us]
     for e in spans:
         if e["pid"] in device:
+            k = kernels.setdefault(e["name"], [0, 0.0])
+            k[0] += 1
+            k[1] += e["dur"]
             continue
         host[e["name"]] = host.get(e["name"], 0.0) + e["dur"]
         s, t = e["ts"], e["ts"] + e["dur"]
@@ -58,12 +62,6 @@ def summarize(events: list[dict], min_gap_us: float) -> dict:
             overlap = min(t, g1) - max(s, g0)
             if overlap > 0:
                 during[e["name"]] = during.get(e["name"], 0.0) + overlap
-    kernels: dict[str, list[float]] = {}
-    for e in spans:
-        if e["pid"] in device:
-            k = kernels.setdefault(e["name"], [0, 0.0])
-            k[0] += 1
-            k[1] += e["dur"]
     top = sorted(kernels.items(), key=lambda kv: -kv[1][1])[:25]
     return {
         "window_us": window,

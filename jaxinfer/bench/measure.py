@@ -225,7 +225,7 @@ def decode_device_profile(llm: Any, cost: ModelCost, batch: int, ctx: int, copy_
     rows = len(plan.seqs)
     step_args = engine._step_args(engine.step_shape(rows, rows), plan.seqs, [], slots)  # the engine's bucket
     n = engine.decode_steps_per_call
-    decode_args = engine._decode_args(engine.decode_shape(len(plan.seqs)), plan.seqs, [], slots, n)
+    decode_args = engine._decode_args(engine.decode_shape(rows), plan.seqs, [], slots, n)
 
     def run_single() -> Any:
         engine.penalties, out = runner.step(engine.penalties, *step_args)

@@ -159,11 +159,10 @@ class Engine:
         """The bucket of a single step of `num_tokens` tokens over `num_rows` rows with `num_copies` page
         copies: for one token per row and at most 8 rows, the smallest of `small_step_buckets` that holds it,
         once warmup's background compiles are done (until then, and otherwise, the token bucket)."""
-        small = next((b for b in self.small_step_buckets if num_tokens <= b), None)
-        if small is not None and num_tokens == num_rows and self._background_done():
-            shape = BatchShape(small, min(small, pow2_ceil(self.max_num_seqs)), self.pages_per_seq)
-            if num_rows <= shape.seqs and num_copies <= shape.seqs:
-                return shape
+        shape = next((s for s in self.small_step_shapes() if num_tokens <= s.tokens), None)
+        if (shape is not None and num_tokens == num_rows and num_rows <= shape.seqs and num_copies <= shape.seqs
+                and self._background_done()):
+            return shape
         return self.batch_shape(num_tokens)
 
     def small_step_shapes(self) -> list[BatchShape]:
