@@ -43,7 +43,7 @@ def main() -> None:
               max_model_len=args.max_model_len, use_tqdm=False)
     engine = llm.engine
     shape = engine.decode_shape(args.batch)
-    batch, inputs, decode = engine.loop.args(shape, [], [], [], 4)
+    batch, inputs, decode = engine.loop.args(shape, [], [], 4)
     cases = {
         "decode_call": (batch, inputs, decode),
         "sampler": (inputs.sampling, inputs.slots, inputs.sample_mask),

@@ -184,22 +184,20 @@ def gil_probe(call: Callable[[], Any], before: Callable[[], Any], wait_first: bo
 
 def device_times(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     from jaxinfer.bench.measure import _start_decoding, fixed, prompts
-    from jaxinfer.engine.runner import ForwardInputs
 
     engine, run = llm.engine, llm.engine.runner
     states = _start_decoding(engine, prompts(fixed(args.input_len, 1, args.batch), llm.model_config.vocab_size, 7))
     plan = engine.scheduler.schedule()  # every row decodes one token
     slots = engine._slot_rows(plan)
     shape = engine.batch_shape(len(plan.seqs))
-    batch, inputs = run.place(engine._step_args(shape, plan.seqs, [], slots))
-    fwd = ForwardInputs.of(inputs)
+    batch, inputs = run.place(engine._step_args(shape, plan.seqs, slots))
     n = engine.decode_steps_per_call
-    decode_args = run.place(engine._decode_args(engine.decode_shape(len(plan.seqs)), plan.seqs, [], slots, n))
+    decode_args = run.place(engine._decode_args(engine.decode_shape(len(plan.seqs)), plan.seqs, slots, n))
     rng = np.random.default_rng(0)
     grammar = run.place(rng.integers(-2**31, 2**31, inputs.sampling.token_bitmask.shape, dtype=np.int64)
                         .astype(np.int32) | 1)  # some tokens allowed in every row (bit 0 of word 0 at least)
     constrained = dataclasses.replace(inputs.sampling, token_bitmask=grammar)
-    logits = run.forward(batch, fwd).logits
+    logits = run.forward(batch).logits
     box: dict[str, Any] = {"penalties": engine.penalties}
 
     def sample(sampling: Any) -> Callable[[], Any]:
@@ -210,7 +208,7 @@ def device_times(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
 
     def single(sampling: Any) -> Callable[[], Any]:
         def go() -> Any:
-            step = run.forward(batch, fwd)
+            step = run.forward(batch)
             box["penalties"], out = run.sample(box["penalties"], step.logits, sampling, inputs.slots,
                                                inputs.sample_mask)
             return out
@@ -222,9 +220,9 @@ def device_times(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
 
     host_batch = engine._pack(shape, plan.seqs)
     result = {}
-    for name, fn in [("forward", lambda: run.forward(batch, fwd).logits),
+    for name, fn in [("forward", lambda: run.forward(batch).logits),
                      # fresh input buffers every call, as the engine's steps have them
-                     ("forward_fresh_inputs", lambda: run.forward(run.place(host_batch), fwd).logits),
+                     ("forward_fresh_inputs", lambda: run.forward(run.place(host_batch)).logits),
                      ("sampler_open", sample(inputs.sampling)),
                      ("sampler_grammar", sample(constrained)), ("single_open", single(inputs.sampling)),
                      ("single_grammar", single(constrained))]:
@@ -233,14 +231,14 @@ def device_times(llm: Any, args: argparse.Namespace) -> dict[str, Any]:
     ms, ret = per_call_ms(multi)
     result["multi_step"] = {"device_ms_per_iteration": ms / n, "call_returns_ms": ret, "iterations": n}
     result["python_progress_beside"] = {
-        "sampler_queued_behind_forward": gil_probe(lambda: sample(inputs.sampling)(), lambda: run.forward(batch, fwd)),
+        "sampler_queued_behind_forward": gil_probe(lambda: sample(inputs.sampling)(), lambda: run.forward(batch)),
         "sampler_after_forward_ready": gil_probe(
-            lambda: sample(inputs.sampling)(), lambda: run.forward(batch, fwd), wait_first=True),
-        "forward_alone": gil_probe(lambda: run.forward(batch, fwd), lambda: None),
+            lambda: sample(inputs.sampling)(), lambda: run.forward(batch), wait_first=True),
+        "forward_alone": gil_probe(lambda: run.forward(batch), lambda: None),
     }
     engine.penalties = box["penalties"]
     hlo = {
-        "forward": run._forward_step.lower(run.weights, run.kv_cache, batch, fwd).compile().as_text(),
+        "forward": run._forward_step.lower(run.weights, run.kv_cache, batch).compile().as_text(),
         "sampler": run._sample_logits.lower(engine.penalties, logits, inputs.sampling, inputs.slots,
                                             inputs.sample_mask).compile().as_text(),
     }

@@ -30,7 +30,7 @@ def time_bucket(llm: LLM, rows: int, real: int, ctx: int, steps: int, calls: int
     plan = engine.scheduler.schedule()
     slots = engine._slot_rows(plan)
     shape = engine.decode_shape(rows)
-    host_args = engine._decode_args(shape, plan.seqs, [], slots, steps)
+    host_args = engine._decode_args(shape, plan.seqs, slots, steps)
     args, branch_free = runner.place(host_args), runner.takes_branch_free(host_args[1].sampling)  # as the engine
 
     def call():

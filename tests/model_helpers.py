@@ -133,12 +133,10 @@ def step_hlo(engine: Any, num_tokens: int, num_rows: int | None = None) -> str:
     """Compiled HLO text of one single step of `num_tokens` tokens over `num_rows` rows (default: as many) in
     the engine's bucket for it (`Engine.step_shape`): the forward program, then the sampler (two programs since
     pipelined single steps; a step's collectives are those of both)."""
-    from jaxinfer.engine.runner import ForwardInputs
-
     runner = engine.runner
     shape = engine.step_shape(num_tokens, num_rows or num_tokens)
-    batch, inputs = engine._step_args(shape, [], [], [])
-    forward = runner._forward_step.lower(runner.weights, runner.kv_cache, *runner.place((batch, ForwardInputs.of(inputs))))
+    batch, inputs = engine._step_args(shape, [], [])
+    forward = runner._forward_step.lower(runner.weights, runner.kv_cache, runner.place(batch))
     logits = runner.example_logits(batch.logits_indices.shape[0])
     sampler = runner._sample_logits.lower(engine.penalties, logits, *runner.place(
         (inputs.sampling, inputs.slots, inputs.sample_mask)))

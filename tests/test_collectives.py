@@ -66,7 +66,7 @@ def _compiled_texts(engine: Engine) -> dict[str, tuple[str, int]]:
     r = engine.runner
     engine.small_step_buckets = (2,)
     decode = engine.decode_shape(ROWS)
-    decode_args = (r.weights, r.kv_cache, engine.penalties, *engine._decode_args(decode, [], [], [], 0))
+    decode_args = (r.weights, r.kv_cache, engine.penalties, *engine._decode_args(decode, [], [], 0))
     return {
         "prefill": (step_hlo(engine, TOKENS), TOKENS),
         "small_step": (step_hlo(engine, 2), 2),

@@ -223,9 +223,9 @@ def decode_device_profile(llm: Any, cost: ModelCost, batch: int, ctx: int, copy_
     plan = engine.scheduler.schedule()  # every row decodes one token
     slots = engine._slot_rows(plan)
     rows = len(plan.seqs)
-    step_args = engine._step_args(engine.step_shape(rows, rows), plan.seqs, [], slots)  # the engine's bucket
+    step_args = engine._step_args(engine.step_shape(rows, rows), plan.seqs, slots)  # the engine's bucket
     n = engine.decode_steps_per_call
-    decode_args = engine._decode_args(engine.decode_shape(rows), plan.seqs, [], slots, n)
+    decode_args = engine._decode_args(engine.decode_shape(rows), plan.seqs, slots, n)
 
     def run_single() -> Any:
         engine.penalties, out = runner.step(engine.penalties, *step_args)

@@ -145,21 +145,21 @@ class DecodeLoop:
         return StepPlan(tuple(entries), (), (), len(entries)), rows
 
     def args(
-        self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int],
-        num_iterations: int,
+        self, shape: BatchShape, entries: Sequence[ScheduledSeq], slots: list[int], num_iterations: int,
     ) -> tuple[StepBatch, SampleInputs, DecodeInputs]:
-        batch, inputs = self.engine._step_args(shape, entries, copies, slots)
+        batch, inputs = self.engine._step_args(shape, entries, slots)
         return batch, inputs, self._decode_inputs(shape, entries, num_iterations)
 
     def dispatch(self, plan: StepPlan, slots: list[int], num_iterations: int) -> _InFlight:
         """Launch a multi-step decode call for `plan`; its results are read back later (`retire`)."""
         t = time.perf_counter()
-        args = self.args(self.engine.decode_shape(len(plan.seqs)), plan.seqs, plan.page_copies, slots, num_iterations)
+        args = self.args(self.engine.decode_shape(len(plan.seqs)), plan.seqs, slots, num_iterations)
         self.engine.times.add("prepare", t)
-        return self._launch(plan, num_iterations, *args)
+        return self._launch(plan, num_iterations, *args, copies=plan.page_copies)
 
     def _launch(
         self, plan: StepPlan, num_iterations: int, batch: StepBatch, inputs: SampleInputs, decode: DecodeInputs,
+        copies: Sequence[Any] = (),
     ) -> _InFlight:
         """Make the device call on the launcher thread. XLA's GPU runtime reads the loop and branch conditions
         of the multi-step body back to the host, so the call itself returns only when the loop is (nearly)
@@ -170,7 +170,7 @@ class DecodeLoop:
         runner = self.engine.runner
         placed = runner.place((batch, inputs, decode))
         launched = self.launcher.submit(runner.decode_steps, penalties, *placed, max_steps=self.steps_per_call,
-                                        branch_free=runner.takes_branch_free(inputs.sampling))
+                                        branch_free=runner.takes_branch_free(inputs.sampling), copies=copies)
         return _InFlight(plan, num_iterations, inputs, decode, launched)
 
     def _await(self, call: _InFlight) -> MultiStepOutput:
@@ -248,11 +248,10 @@ class DecodeLoop:
         num_iterations = min(room, n)
         plan = StepPlan(tuple(entries), (), (), len(entries))
         batch = self.engine._pack(self.engine.decode_shape(len(entries)), entries)
-        # The same rows with the same knobs: only the PRNG step moves on, and the call's page copies are done.
+        # The same rows with the same knobs: only the PRNG step moves on (the call's page copies are done).
         prev = call.inputs
-        inputs = dataclasses.replace(
-            prev, sampling=dataclasses.replace(prev.sampling, step=np.asarray(prev.sampling.step) + k),
-            copy_src=np.zeros_like(prev.copy_src), copy_dst=np.zeros_like(prev.copy_dst))
+        inputs = dataclasses.replace(prev, sampling=dataclasses.replace(prev.sampling,
+                                                                         step=np.asarray(prev.sampling.step) + k))
         decode = dataclasses.replace(call.decode, budget=budget, num_steps=np.asarray(num_iterations, np.int32))
 
         def launch(out: MultiStepOutput) -> _InFlight:

@@ -18,13 +18,15 @@ acceptance, never correctness.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxinfer.engine.runner import ModelRunner, StepBatch, copy_pages, decode_metadata
+from jaxinfer.engine.page_table import PageCopy
+from jaxinfer.engine.runner import ModelRunner, StepBatch, decode_metadata
 from jaxinfer.engine.sampling import GREEDY_EPS, _PRNG_IMPL
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.models.common import gather_last_tokens
@@ -40,8 +42,6 @@ class DraftInputs:
     temperature: jax.Array  # [S] f32 the request's temperature (< GREEDY_EPS: greedy proposals)
     key_data: jax.Array  # [S, 2] u32 the row's seed
     step: jax.Array  # [S] int32 tokens the row generated before this step
-    copy_src: jax.Array  # [C] int32 the step's copy-on-write page copies (the draft cache copies them too)
-    copy_dst: jax.Array  # [C] int32
 
 
 class DraftRunner:
@@ -56,9 +56,12 @@ class DraftRunner:
     def vocab_size(self) -> int:
         return self.runner.cfg.vocab_size
 
-    def propose(self, batch: StepBatch, inputs: DraftInputs) -> tuple[jax.Array, jax.Array | None]:
-        """Proposals [S, k] int32 and their distributions [S, k, V] (None when greedy), on the draft's devices."""
+    def propose(self, batch: StepBatch, inputs: DraftInputs, copies: Sequence[PageCopy] = ()
+                ) -> tuple[jax.Array, jax.Array | None]:
+        """Proposals [S, k] int32 and their distributions [S, k, V] (None when greedy), on the draft's devices,
+        after the step's copy-on-write page `copies` (the draft's cache shares the target's page table)."""
         r = self.runner
+        r.copy_pages(copies)
         r.kv_cache, drafts, probs = r._dispatch("draft", (r.weights, r.kv_cache, batch, inputs), {})
         return drafts, probs
 
@@ -83,7 +86,6 @@ class DraftRunner:
                       attn_fn: Any) -> tuple[KVCache, jax.Array, jax.Array | None]:
         r = self.runner
         r._count_compile()
-        kv_cache = copy_pages(kv_cache, inputs.copy_src, inputs.copy_dst)
         hidden, kv_cache, _ = r._forward(weights, batch.token_ids, batch.md, kv_cache, attn_fn)
         logits = r.family.compute_logits(weights, r.cfg, gather_last_tokens(hidden, batch.logits_indices))  # [S, V]
         first, q0 = self._sample(logits, inputs, 0)

@@ -37,7 +37,7 @@ from jaxinfer.engine.logprobs import TokenTexts
 from jaxinfer.engine.output_path import OutputPath
 from jaxinfer.engine.pipeline import StepPipeline
 from jaxinfer.engine.request import RequestState, SeqOutput
-from jaxinfer.engine.runner import DecodeInputs, ForwardInputs, ModelRunner, SampleInputs, StepBatch
+from jaxinfer.engine.runner import DecodeInputs, ModelRunner, SampleInputs, StepBatch
 from jaxinfer.engine.sampling import (
     PenaltyState,
     SamplingArrays,
@@ -155,12 +155,12 @@ class Engine:
         tokens = bucket(num_tokens, MIN_TOKEN_BUCKET, self.token_buckets[-1])
         return BatchShape(tokens=tokens, seqs=min(tokens, pow2_ceil(self.max_num_seqs)), pages_per_seq=self.pages_per_seq)
 
-    def step_shape(self, num_tokens: int, num_rows: int, num_copies: int = 0) -> BatchShape:
-        """The bucket of a single step of `num_tokens` tokens over `num_rows` rows with `num_copies` page
-        copies: for one token per row and at most 8 rows, the smallest of `small_step_buckets` that holds it,
-        once warmup's background compiles are done (until then, and otherwise, the token bucket)."""
+    def step_shape(self, num_tokens: int, num_rows: int) -> BatchShape:
+        """The bucket of a single step of `num_tokens` tokens over `num_rows` rows: for one token per row and at
+        most 8 rows, the smallest of `small_step_buckets` that holds it, once warmup's background compiles are
+        done (until then, and otherwise, the token bucket)."""
         shape = next((s for s in self.small_step_shapes() if num_tokens <= s.tokens), None)
-        if (shape is not None and num_tokens == num_rows and num_rows <= shape.seqs and num_copies <= shape.seqs
+        if (shape is not None and num_tokens == num_rows and num_rows <= shape.seqs
                 and self._background_done()):
             return shape
         return self.batch_shape(num_tokens)
@@ -307,9 +307,9 @@ class Engine:
                 return self._device_failed(plan, e)
         return self.loop.retire()
 
-    def _decode_args(self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any],
-                     slots: list[int], num_iterations: int) -> tuple[StepBatch, SampleInputs, DecodeInputs]:
-        return self.loop.args(shape, entries, copies, slots, num_iterations)
+    def _decode_args(self, shape: BatchShape, entries: Sequence[ScheduledSeq], slots: list[int],
+                     num_iterations: int) -> tuple[StepBatch, SampleInputs, DecodeInputs]:
+        return self.loop.args(shape, entries, slots, num_iterations)
 
     def _slot_rows(self, plan: StepPlan) -> list[int]:
         rows, resets = [], []
@@ -332,18 +332,14 @@ class Engine:
         fresh = PenaltyState.from_tokens([r[1] for r in resets], [r[2] for r in resets], num_rows, self.vocab_size)
         return rows, fresh
 
-    def _step_args(
-        self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int]
-    ) -> tuple[StepBatch, SampleInputs]:
-        return self._pack(shape, entries), self._sample_inputs(shape, entries, copies, slots)
+    def _step_args(self, shape: BatchShape, entries: Sequence[ScheduledSeq], slots: list[int]
+                   ) -> tuple[StepBatch, SampleInputs]:
+        return self._pack(shape, entries), self._sample_inputs(shape, entries, slots)
 
     def _pack(self, shape: BatchShape, entries: Sequence[ScheduledSeq]) -> StepBatch:
         return pack([SeqChunk(e.token_ids, e.start_pos, e.page_ids) for e in entries], shape, self.page_size)
 
-    def _sample_inputs(
-        self, shape: BatchShape, entries: Sequence[ScheduledSeq], copies: Sequence[Any], slots: list[int],
-        fwd: ForwardInputs | None = None,
-    ) -> SampleInputs:
+    def _sample_inputs(self, shape: BatchShape, entries: Sequence[ScheduledSeq], slots: list[int]) -> SampleInputs:
         params, steps, seeds, bad, recent = [], [], [], [], []
         for e in entries:
             state = self.requests[e.key[0]]
@@ -361,16 +357,8 @@ class Engine:
         slot_arr[: len(slots)] = slots
         mask = np.zeros(shape.seqs, bool)
         mask[: len(entries)] = [e.sample for e in entries]
-        fwd = fwd if fwd is not None else self._forward_inputs(shape, copies)
         next_ids, want = self._prompt_next_ids(shape, entries)
-        return SampleInputs(sampling, slot_arr, mask, fwd.copy_src, fwd.copy_dst, next_ids, np.asarray(want))
-
-    def _forward_inputs(self, shape: BatchShape, copies: Sequence[Any]) -> ForwardInputs:
-        """The host arrays the forward half of a step takes besides the batch: the page copies."""
-        src, dst = np.zeros(shape.seqs, np.int32), np.zeros(shape.seqs, np.int32)
-        for i, (s, d) in enumerate(copies):
-            src[i], dst[i] = s, d
-        return ForwardInputs(src, dst)
+        return SampleInputs(sampling, slot_arr, mask, next_ids, np.asarray(want))
 
     def _grammar_bitmask(self, shape: BatchShape, entries: Sequence[ScheduledSeq]) -> Any:
         """Allowed-token bits of the rows that sample under a structured-output grammar, filled by their

@@ -37,8 +37,8 @@ import numpy as np
 
 from jaxinfer.engine.batcher import BatchShape
 from jaxinfer.engine.decode_loop import HANDOFF_SWITCH_INTERVAL_S
-from jaxinfer.engine.page_table import TRASH_PAGE
-from jaxinfer.engine.runner import ForwardInputs, SampleInputs, StepBatch, StepLogits
+from jaxinfer.engine.page_table import TRASH_PAGE, PageCopy
+from jaxinfer.engine.runner import SampleInputs, StepBatch, StepLogits
 from jaxinfer.engine.sampling import PenaltyState, PromptLogprobs, SamplerOutput
 from jaxinfer.engine.scheduler import ScheduledSeq, StepPlan
 from jaxinfer.outputs import RequestOutput
@@ -76,7 +76,6 @@ class StepPipeline:
         self.enabled = enabled and jax.process_count() == 1
         self.ahead: _Ahead | None = None
         self.num_pipelined_steps = 0  # steps whose forward was launched before the host had their input tokens
-        self._plain_forward: dict[BatchShape, ForwardInputs] = {}
         self._threaded = jax.process_count() == 1
         self._interval: float | None = None  # Python's switch interval while pipelining lowered it
         self._held_steps = 0  # steps in a row that held admissible requests back (`hold_admission`)
@@ -85,11 +84,10 @@ class StepPipeline:
         """One step for a plan of `schedule()`."""
         engine = self.engine
         t = time.perf_counter()
-        shape = engine.step_shape(plan.num_batched_tokens, len(plan.seqs), len(plan.page_copies))
-        fwd = engine._forward_inputs(shape, plan.page_copies)
-        forward = self._launch_forward(engine._pack(shape, plan.seqs), fwd)
+        shape = engine.step_shape(plan.num_batched_tokens, len(plan.seqs))
+        forward = self._launch_forward(engine._pack(shape, plan.seqs), plan.page_copies)
         # The sampler's arrays (grammar masks included) are built while the forward runs.
-        inputs = engine._sample_inputs(shape, plan.seqs, plan.page_copies, slot_rows, fwd)
+        inputs = engine._sample_inputs(shape, plan.seqs, slot_rows)
         engine.times.add("prepare", t)
         return self._sample(plan, list(range(len(plan.seqs))), len(plan.seqs), shape, inputs, forward)
 
@@ -104,7 +102,7 @@ class StepPipeline:
             engine.times.add("schedule", t)
             return []
         slots = engine._slot_rows(plan)
-        inputs = _to_rows(engine._sample_inputs(ahead.shape, plan.seqs, [], slots), rows, ahead.shape.seqs)
+        inputs = _to_rows(engine._sample_inputs(ahead.shape, plan.seqs, slots), rows, ahead.shape.seqs)
         engine.times.add("prepare", t)
         self.num_pipelined_steps += 1
         return self._sample(plan, rows, len(ahead.plan.seqs), ahead.shape, inputs, ahead.launched)
@@ -181,14 +179,13 @@ class StepPipeline:
             return done
         return self.engine.loop.launcher.submit(fn, *args)
 
-    def _launch_forward(self, batch: StepBatch, fwd: ForwardInputs) -> Future[StepLogits]:
-        placed = self.engine.runner.place((batch, fwd))
-        return self._submit(self.engine.runner.forward, *placed)
+    def _launch_forward(self, batch: StepBatch, copies: Sequence[PageCopy]) -> Future[StepLogits]:
+        return self._submit(self.engine.runner.forward, self.engine.runner.place(batch), copies)
 
     def _sample_then_forward(
         self, sampled: Future[_Sampled], forward: Future[StepLogits], penalties: PenaltyState,
         placed: tuple[Any, ...], branch_free: bool, prompt_ids: jax.Array | None,
-        ahead: tuple[StepPlan, StepBatch, ForwardInputs] | None,
+        ahead: tuple[StepPlan, StepBatch] | None,
     ) -> StepLogits | None:
         """On the launcher: the sampler over `forward`'s logits and, when `prompt_ids` are given, the prompt
         logprobs over its hidden states (their results into `sampled`), then the forward of the step planned
@@ -204,16 +201,16 @@ class StepPipeline:
         sampled.set_result((penalties, out, step.expert_counts, prompt))
         if ahead is None:
             return None
-        _, batch, fwd = ahead
+        _, batch = ahead
         tokens = out.tokens  # [S] on device: the input ids of rows 0..S-1
         if tokens.shape != batch.token_ids.shape:  # S < T (max_num_seqs under the smallest token bucket)
             tokens = _splice(batch.token_ids, tokens)
-        return runner.forward(dataclasses.replace(batch, token_ids=tokens), fwd)
+        return runner.forward(dataclasses.replace(batch, token_ids=tokens))
 
     def _plan_ahead(
         self, plan: StepPlan, rows: list[int], num_rows: int, shape: BatchShape
-    ) -> tuple[StepPlan, StepBatch, ForwardInputs] | None:
-        """The next step's plan and its placed forward inputs, when the pipeline may launch it now; else None.
+    ) -> tuple[StepPlan, StepBatch] | None:
+        """The next step's plan and its placed batch, when the pipeline may launch it now; else None.
 
         Only for decode-only steps whose rows are the scheduler's whole running set with nothing admissible
         waiting (a full batch admits a new request only once a row finished, which the next step sees), and
@@ -247,7 +244,7 @@ class StepPipeline:
         if live == 0 or engine.step_shape(live, live) != shape:
             return None  # let schedule() pack what is left into its own bucket
         next_plan = StepPlan(tuple(entries), (), (), num_rows)
-        return next_plan, engine.runner.place(engine._pack(shape, next_plan.seqs)), self._no_extras(shape)
+        return next_plan, engine.runner.place(engine._pack(shape, next_plan.seqs))
 
     def hold_admission(self) -> None:
         """Decide, once per engine step, whether requests that could be admitted wait this step, so that they
@@ -274,15 +271,6 @@ class StepPipeline:
             return False
         return engine.decodes_singly(len(running)) or any(
             state is not None and state.has_grammar for state in map(engine.requests.get, running))
-
-    def _no_extras(self, shape: BatchShape) -> ForwardInputs:
-        """Forward inputs without page copies, kept on device per bucket."""
-        fwd = self._plain_forward.get(shape)
-        if fwd is None:
-            zeros = np.zeros(shape.seqs, np.int32)
-            fwd = ForwardInputs(zeros, zeros)
-            fwd = self._plain_forward[shape] = self.engine.runner.place(fwd)
-        return fwd
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))

@@ -22,11 +22,13 @@ from __future__ import annotations
 
 import functools
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -34,6 +36,7 @@ from jaxinfer.attention import make_attention_fn
 from jaxinfer.expert_parallel import make_moe_fn
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.aot import CompiledPrograms
+from jaxinfer.engine.page_table import PageCopy
 from jaxinfer.engine.transfer import Transfer
 from jaxinfer.engine.verify import VerifyInputs, verify, verify_logits
 from jaxinfer.engine.sampling import (
@@ -61,6 +64,8 @@ from pallas_kernels.ragged_paged_attention import resolve_impl
 
 
 PROMPT_LOGPROB_CHUNK = 256  # positions whose full-vocabulary logits exist at once
+# Page copies per call of the copy program (`ModelRunner.copy_pages`); a step that has more makes more calls.
+PAGE_COPY_WIDTH = 16
 
 # XLA's GPU backend records runs of kernels as CUDA graphs ("command buffers") and, when a call's input buffers
 # sit at new addresses, updates every graph node that reads them before launching. The single-step programs get
@@ -88,22 +93,8 @@ class SampleInputs:
     sampling: SamplingArrays  # [S, ...] per-row knobs
     slots: jax.Array  # [S] int32 penalty-state slot of each row (padding rows: the spare last slot)
     sample_mask: jax.Array  # [S] bool: rows whose token is kept (real rows at a sampling point)
-    copy_src: jax.Array  # [C] int32 copy-on-write page copies, applied before this step's writes;
-    copy_dst: jax.Array  # [C] int32 padded with 0 -> 0 (trash page onto itself)
     prompt_next_ids: jax.Array  # [T] int32 next prompt token of each position (for prompt logprobs)
     want_prompt_logprobs: jax.Array  # [] bool: compute logits for every token this step
-
-
-@struct.dataclass
-class ForwardInputs:
-    """The fields of SampleInputs that the forward half of a step reads."""
-
-    copy_src: jax.Array  # [C] int32
-    copy_dst: jax.Array  # [C] int32
-
-    @classmethod
-    def of(cls, inputs: SampleInputs) -> ForwardInputs:
-        return cls(inputs.copy_src, inputs.copy_dst)
 
 
 class StepLogits(NamedTuple):
@@ -224,9 +215,13 @@ class ModelRunner(CompiledPrograms):
         self._verify_step = jax.jit(
             functools.partial(self._verify_step_impl, attn_fn=attn_fn), donate_argnums=(1, 2)
         )
+        # Copy-on-write page copies are a program of their own, run before a step only when its plan has some.
+        # Inside every step they cost two scatters per layer whether or not a page moved (64 of a Llama-3-8B
+        # single step's ~600 kernels, each launched by the host one by one), and steps almost never copy.
+        self._copy_step = jax.jit(self._copy_pages_impl, donate_argnums=(1,), compiler_options=NO_COMMAND_BUFFERS)
         self.attn_fn = attn_fn  # for entry points registered from outside (a draft model's proposal loop)
         self._entry_points = {"forward": self._forward_step, "sample": self._sample_logits,
-                              "decode": self._decode_steps, "verify": self._verify_step}
+                              "decode": self._decode_steps, "verify": self._verify_step, "copy": self._copy_step}
         # Prompt logprobs are their own program over the forward's hidden states, for the rare steps that ask:
         # as a `lax.cond` inside the forward, XLA's GPU runtime read the predicate back to the host in every
         # step, so the forward's launch returned only once it had run and the next call could not queue behind it.
@@ -281,13 +276,19 @@ class ModelRunner(CompiledPrograms):
         last = gather_last_tokens(hidden, batch.logits_indices)  # [S, D]
         return kv_cache, self.family.compute_logits(weights, self.cfg, last)
 
-    def _forward_step_impl(
-        self, weights: Any, kv_cache: KVCache, batch: StepBatch, fwd: ForwardInputs, *, attn_fn: Any,
-    ) -> tuple[KVCache, StepLogits]:
-        """The model half of a step: page copies, forward, the last tokens' logits [S, V] (split by vocabulary
-        under a vocabulary-parallel lm_head, as the sampler takes them) and, in steps that ask, prompt logprobs."""
+    def _copy_pages_impl(self, weights: Any, kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
+        """Page dst[i] <- page src[i] in every layer ([C] int32 each; padding copies the trash page onto itself).
+        `weights` is unused (jit prunes it): it keeps the (weights, kv_cache, ...) order of the stateful kinds."""
+        del weights
         self._count_compile()
-        kv_cache = copy_pages(kv_cache, fwd.copy_src, fwd.copy_dst)
+        return self._pin_cache(copy_pages(kv_cache, src, dst))
+
+    def _forward_step_impl(
+        self, weights: Any, kv_cache: KVCache, batch: StepBatch, *, attn_fn: Any,
+    ) -> tuple[KVCache, StepLogits]:
+        """The model half of a step: forward, the last tokens' logits [S, V] (split by vocabulary under a
+        vocabulary-parallel lm_head, as the sampler takes them) and the hidden states for prompt logprobs."""
+        self._count_compile()
         hidden, kv_cache, counts = self._forward(weights, batch.token_ids, batch.md, kv_cache, attn_fn)
         logits = self.family.compute_logits(weights, self.cfg, gather_last_tokens(hidden, batch.logits_indices))
         logits = jax.lax.with_sharding_constraint(logits, self.logits_sharding())
@@ -337,7 +338,6 @@ class ModelRunner(CompiledPrograms):
         chunk, and each row keeps its accepted proposals plus one token. Rows without proposals sample as in
         `step`. Rejected proposals leave KV behind their row's new length, which the host rolls back."""
         self._count_compile()
-        kv_cache = copy_pages(kv_cache, inputs.copy_src, inputs.copy_dst)
         token_ids = batch.token_ids.at[spec.draft_rows].set(spec.draft_tokens, mode="drop")  # [T]
         hidden, kv_cache, counts = self._forward(weights, token_ids, batch.md, kv_cache, attn_fn)
         logits = verify_logits(lambda h: self.family.compute_logits(weights, self.cfg, h), hidden, spec.logits_rows)
@@ -364,7 +364,6 @@ class ModelRunner(CompiledPrograms):
         decode: DecodeInputs, *, attn_fn: Any, max_steps: int, branch_free: bool = False,
     ) -> tuple[KVCache, PenaltyState, MultiStepOutput]:
         self._count_compile()
-        kv_cache = copy_pages(kv_cache, inputs.copy_src, inputs.copy_dst)
         num_rows = batch.logits_indices.shape[0]
         real = jnp.arange(num_rows) < batch.md.num_seqs[0]  # [S]
         carry = _DecodeCarry(
@@ -408,11 +407,13 @@ class ModelRunner(CompiledPrograms):
 
     def decode_steps(
         self, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs, decode: DecodeInputs, max_steps: int,
-        branch_free: bool = False,
+        branch_free: bool = False, copies: Sequence[PageCopy] = (),
     ) -> tuple[PenaltyState, MultiStepOutput]:
-        """Up to `max_steps` decode iterations in one call; `batch` holds one token per row (T == S).
-        `branch_free` where `takes_branch_free` says so for the call's host sampling arrays; while that build is
-        still compiling in the background (`precompile_in_background`) the call runs the branching one."""
+        """Up to `max_steps` decode iterations in one call after the plan's page `copies`; `batch` holds one token
+        per row (T == S). `branch_free` where `takes_branch_free` says so for the call's host sampling arrays; while
+        that build is still compiling in the background (`precompile_in_background`) the call runs the branching
+        one."""
+        self.copy_pages(copies)
         args = (self.weights, self.kv_cache, penalties, batch, inputs, decode)
         static: dict[str, Any] = {"max_steps": max_steps}
         # Keyed only while the background thread still holds builds back: otherwise `_dispatch` keys the call once.
@@ -428,18 +429,28 @@ class ModelRunner(CompiledPrograms):
         stays behind a cond (`sampling.branch_free_applies`)."""
         return self.branch_free_sampler and branch_free_applies(sampling)
 
-    def step(self, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs) -> tuple[PenaltyState, StepOutput]:
+    def step(self, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs,
+             copies: Sequence[PageCopy] = ()) -> tuple[PenaltyState, StepOutput]:
         """Forward + sampling (+ prompt logprobs when `inputs` asks); the cache and the penalty state are updated
         in place (donated)."""
-        step = self.forward(batch, ForwardInputs.of(inputs))
+        step = self.forward(batch, copies)
         penalties, sampled = self.sample(penalties, step.logits, inputs.sampling, inputs.slots, inputs.sample_mask)
         prompt = self.prompt_logprobs(step.hidden, inputs.prompt_next_ids) if inputs.want_prompt_logprobs else None
         return penalties, StepOutput(sampled, prompt, step.expert_counts)
 
-    def forward(self, batch: StepBatch, fwd: ForwardInputs) -> StepLogits:
-        """The model half of a step (`_forward_step_impl`); the cache is updated in place (donated)."""
-        self.kv_cache, out = self._dispatch("forward", (self.weights, self.kv_cache, batch, fwd), {})
+    def forward(self, batch: StepBatch, copies: Sequence[PageCopy] = ()) -> StepLogits:
+        """The model half of a step (`_forward_step_impl`) after the plan's page `copies`; the cache is updated in
+        place (donated)."""
+        self.copy_pages(copies)
+        self.kv_cache, out = self._dispatch("forward", (self.weights, self.kv_cache, batch), {})
         return out
+
+    def copy_pages(self, copies: Sequence[PageCopy]) -> None:
+        """Apply copy-on-write page copies (src, dst) to the cache in place, PAGE_COPY_WIDTH per call; every
+        step entry point calls it first, from the thread that makes its device call, so the order holds."""
+        for start in range(0, len(copies), PAGE_COPY_WIDTH):
+            self.kv_cache = self._dispatch("copy", (self.weights, self.kv_cache, *self.place(
+                page_copy_arrays(copies[start : start + PAGE_COPY_WIDTH]))), {})
 
     def sample(self, penalties: PenaltyState, logits: jax.Array, sampling: SamplingArrays, slots: jax.Array,
                sample_mask: jax.Array, branch_free: bool = False) -> tuple[PenaltyState, SamplerOutput]:
@@ -453,9 +464,11 @@ class ModelRunner(CompiledPrograms):
         """Prompt logprobs [T] of every position of a forward's `hidden` [T, D] (`_prompt_logprobs`)."""
         return self._dispatch("prompt", (self.weights, hidden, next_ids), {})
 
-    def verify(self, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs, spec: VerifyInputs
-               ) -> tuple[PenaltyState, VerifyStepOutput]:
-        """One speculative verification step (see `_verify_step_impl`); cache and penalties in place."""
+    def verify(self, penalties: PenaltyState, batch: StepBatch, inputs: SampleInputs, spec: VerifyInputs,
+               copies: Sequence[PageCopy] = ()) -> tuple[PenaltyState, VerifyStepOutput]:
+        """One speculative verification step (see `_verify_step_impl`) after the plan's page `copies`; cache and
+        penalties in place."""
+        self.copy_pages(copies)
         self.kv_cache, penalties, out = self._dispatch(
             "verify", (self.weights, self.kv_cache, penalties, batch, inputs, spec), {}
         )
@@ -470,6 +483,20 @@ class ModelRunner(CompiledPrograms):
         """Host arrays -> device, replicated over the mesh (metadata is small); device arrays stay as they are.
         A tuple's elements are packed one by one (jaxinfer.engine.transfer)."""
         return self.transfer.place(batch, background)
+
+
+def page_copy_arrays(copies: Sequence[PageCopy]) -> tuple[np.ndarray, np.ndarray]:
+    """At most PAGE_COPY_WIDTH (src, dst) copies as two [PAGE_COPY_WIDTH] int32 arrays, padded with 0 -> 0 (the
+    trash page onto itself), so one program serves every call."""
+    src, dst = np.zeros(PAGE_COPY_WIDTH, np.int32), np.zeros(PAGE_COPY_WIDTH, np.int32)
+    for i, (s, d) in enumerate(copies):
+        src[i], dst[i] = s, d
+    return src, dst
+
+
+def page_copy_call() -> tuple[str, tuple[Any, ...], dict[str, Any]]:
+    """The copy program as `ModelRunner.precompile` takes it (warmup compiles it with the steps)."""
+    return "copy", page_copy_arrays(()), {}
 
 
 def copy_pages(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:

@@ -36,6 +36,7 @@ import numpy as np
 from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
 from jaxinfer.engine.draft import DraftInputs, DraftRunner
 from jaxinfer.engine.ngram import propose_ngram
+from jaxinfer.engine.runner import page_copy_call
 from jaxinfer.engine.scheduler import ScheduledSeq, StepPlan
 from jaxinfer.engine.sequence import SeqKey
 from jaxinfer.engine.verify import VerifyInputs
@@ -210,16 +211,17 @@ class Speculator:
         slots = engine._slot_rows(plan)
         lags = self._lags(plan)
         shape = engine.batch_shape(max(plan.num_batched_tokens, self._draft_tokens(plan, lags)))
-        batch, inputs = engine._step_args(shape, plan.seqs, plan.page_copies, slots)
+        batch, inputs = engine._step_args(shape, plan.seqs, slots)
         spec = self.verify_inputs(shape, plan.seqs)
         if self.draft is not None:
-            drafts, probs = self.draft.propose(self._draft_batch(shape, plan, lags), self._draft_inputs(inputs, plan))
+            drafts, probs = self.draft.propose(self._draft_batch(shape, plan, lags), self._draft_inputs(inputs, plan),
+                                               plan.page_copies)
             # The draft may live on other devices (a degree-1 draft on the replica's first one) or leave its
             # outputs split by vocabulary; the verification step was compiled for replicated proposals.
             drafts, probs = jax.device_put((drafts, probs), replicated(engine.runner.mesh))
             spec = dataclasses.replace(spec, draft_tokens=drafts, draft_probs=probs)
         t = engine.times.add("prepare", t)
-        engine.penalties, out = engine.runner.verify(engine.penalties, batch, inputs, spec)
+        engine.penalties, out = engine.runner.verify(engine.penalties, batch, inputs, spec, plan.page_copies)
         sampled, emitted, counts = jax.device_get((out.sampled, out.num_emitted, out.expert_counts))
         engine.expert_counts += counts
         self.cost.record("spec", shape.tokens, time.perf_counter() - t)
@@ -297,8 +299,7 @@ class Speculator:
         num_draft = np.zeros(inputs.sampling.step.shape[0], np.int32)
         num_draft[: len(plan.seqs)] = [e.num_draft for e in plan.seqs]
         sampling = inputs.sampling
-        return DraftInputs(num_draft, sampling.temperature, sampling.key_data, sampling.step, inputs.copy_src,
-                           inputs.copy_dst)
+        return DraftInputs(num_draft, sampling.temperature, sampling.key_data, sampling.step)
 
     def _advance_draft(self, plan: StepPlan, emitted: np.ndarray | None, lags: list[tuple[int, ...]]) -> None:
         """Record how far each row's draft KV is valid: its new tokens, and the proposals it both ran and
@@ -321,8 +322,8 @@ class Speculator:
         try:
             lags = self._lags(plan)
             shape = engine.batch_shape(self._draft_tokens(plan, lags))
-            _, inputs = engine._step_args(shape, plan.seqs, plan.page_copies, [0] * len(plan.seqs))
-            self.draft.propose(self._draft_batch(shape, plan, lags), self._draft_inputs(inputs, plan))
+            _, inputs = engine._step_args(shape, plan.seqs, [0] * len(plan.seqs))
+            self.draft.propose(self._draft_batch(shape, plan, lags), self._draft_inputs(inputs, plan), plan.page_copies)
         except Exception as e:  # noqa: BLE001
             return engine._device_failed(plan, e)
         self._advance_draft(plan, None, lags)
@@ -336,11 +337,13 @@ class Speculator:
         engine, target, drafts = self.engine, [], []
         for tokens in engine.token_buckets:
             shape = engine.batch_shape(tokens)
-            batch, inputs = engine._step_args(shape, [], [], [])
+            batch, inputs = engine._step_args(shape, [], [])
             target.append(("verify", (engine.penalties, batch, inputs, self.verify_inputs(shape, [])), {}))
             if self.draft is not None:
                 empty = StepPlan((), (), (), 0)
                 drafts.append(("draft", (self._draft_batch(shape, empty, []), self._draft_inputs(inputs, empty)), {}))
+        if self.draft is not None:
+            drafts.append(page_copy_call())
         return target, drafts
 
     def reset(self) -> None:

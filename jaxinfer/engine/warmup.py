@@ -5,6 +5,7 @@ weights and cache, static arguments):
 * the forward of every token bucket, and the sampler of every row count it produces (on a GPU also its build
   without `lax.cond`, for the pipelined single steps);
 * speculative decoding's verify programs (and, apart, the draft model's);
+* the copy-on-write page copy program (and the draft model's);
 * with multi-step decode, the decode loop of every row bucket.
 
 The small buckets of decode-only single steps (`Engine.small_step_buckets`, 2, 4 and 8 tokens on a GPU or TPU)
@@ -26,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from jaxinfer.engine.batcher import MIN_TOKEN_BUCKET
-from jaxinfer.engine.runner import ForwardInputs
+from jaxinfer.engine.runner import page_copy_call
 
 if TYPE_CHECKING:
     from jaxinfer.engine.engine import Engine
@@ -48,8 +49,8 @@ def plan(engine: Engine) -> WarmupPlan:
     later: list[Call] = []
     for shape in [engine.batch_shape(t) for t in engine.token_buckets] + engine.small_step_shapes():
         calls = now if shape.tokens >= MIN_TOKEN_BUCKET else later  # the small ones serve only once compiled
-        batch, inputs = engine._step_args(shape, [], [], [])
-        calls.append(("forward", (batch, ForwardInputs.of(inputs)), {}))
+        batch, inputs = engine._step_args(shape, [], [])
+        calls.append(("forward", (batch,), {}))
         if shape.seqs not in sampler_rows:  # the sampler's shapes depend on the rows only
             sampler_rows.add(shape.seqs)
             logits = runner.example_logits(shape.seqs)
@@ -63,9 +64,10 @@ def plan(engine: Engine) -> WarmupPlan:
         now.extend(verify_calls)
     if engine.decode_steps_per_call > 1:
         for rows in engine.decode_row_buckets:
-            args = (engine.penalties, *engine._decode_args(engine.decode_shape(rows), [], [], [], 0))
+            args = (engine.penalties, *engine._decode_args(engine.decode_shape(rows), [], [], 0))
             now.append(("decode", args, {"max_steps": engine.decode_steps_per_call}))
             if runner.branch_free_sampler:
                 (now if jax.process_count() > 1 else later).append(
                     ("decode", args, {"max_steps": engine.decode_steps_per_call, "branch_free": True}))
+    now.append(page_copy_call())  # copy-on-write page copies, before any step that has some
     return WarmupPlan(now, draft, later)

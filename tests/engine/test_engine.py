@@ -235,8 +235,10 @@ def test_unseeded_requests_differ() -> None:
     assert outs[0].token_ids != outs[1].token_ids
 
 
-def test_n_shares_prompt_pages_and_returns_n_outputs() -> None:
-    engine = make_engine(16, steps=STEPS)
+# Single steps and the multi-step loop both run the page copies first (their own program, compiled at warmup).
+@pytest.mark.parametrize("steps", [1, STEPS])
+def test_n_shares_prompt_pages_and_returns_n_outputs(steps: int) -> None:
+    engine = make_engine(16, steps=steps)
     plans = record_plans(engine)
     prompt = PROMPTS[2]  # 40 tokens: two full pages and a partial one, shared until copy-on-write
     (out,) = engine.generate([prompt], sampled_params(n=3, max_tokens=10))
@@ -252,6 +254,7 @@ def test_n_shares_prompt_pages_and_returns_n_outputs() -> None:
         lone = engine.generate([prompt], sampled_params(seed=7 + i, max_tokens=10))[0]
         assert completion.token_ids == lone.token_ids
     assert_all_pages_free(engine)
+    assert engine.stats()["num_compiles_after_warmup"] == 0
 
 
 def test_logprobs_and_prompt_logprobs_match_log_softmax_of_the_logits() -> None:

@@ -51,7 +51,7 @@ def _compiled(family, cfg, attention_impl: str, dtype=jnp.float32, single_step: 
     texts = [step_hlo(engine, 16), step_hlo(engine, 1)] if single_step else []
     for rows in decode_rows:  # the 1-row bucket's cache write is a dynamic-update-slice, the others' a scatter
         decode = (runner.weights, runner.kv_cache, engine.penalties,
-                  *engine._decode_args(engine.decode_shape(rows), [], [], [], 0))
+                  *engine._decode_args(engine.decode_shape(rows), [], [], 0))
         for branch_free in (False, True):  # both builds of the loop (runner.takes_branch_free)
             texts.append(runner._decode_steps.lower(*decode, max_steps=8, branch_free=branch_free).compile().as_text())
     return texts, _big_sizes(runner)
@@ -106,7 +106,6 @@ def test_one_row_decode_loop_on_gpu(name: str) -> None:
 def test_forward_has_no_loop_and_decode_one_on_gpu() -> None:
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU (jax.default_backend() != 'gpu')")
-    from jaxinfer.engine.runner import ForwardInputs
     from jaxinfer.presets import load_preset
 
     cfg = load_preset("llama-3-8b").replace(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
@@ -117,12 +116,11 @@ def test_forward_has_no_loop_and_decode_one_on_gpu() -> None:
                     single_step_max_rows=8)
     loops = re.compile(r"\bwhile\(")
     for shape in engine.small_step_shapes() + [engine.batch_shape(t) for t in engine.token_buckets]:
-        batch, inputs = engine._step_args(shape, [], [], [])
-        placed = runner.place((batch, ForwardInputs.of(inputs)))
-        text = runner._forward_step.lower(runner.weights, runner.kv_cache, *placed).compile().as_text()
+        batch, inputs = engine._step_args(shape, [], [])
+        text = runner._forward_step.lower(runner.weights, runner.kv_cache, runner.place(batch)).compile().as_text()
         assert "mosaic" in text.lower() and not loops.findall(text), shape
     for rows in (1, 16):
         decode = (runner.weights, runner.kv_cache, engine.penalties,
-                  *engine._decode_args(engine.decode_shape(rows), [], [], [], 0))
+                  *engine._decode_args(engine.decode_shape(rows), [], [], 0))
         text = runner._decode_steps.lower(*decode, max_steps=8, branch_free=True).compile().as_text()
         assert len(loops.findall(text)) == 1, rows

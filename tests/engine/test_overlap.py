@@ -174,7 +174,7 @@ def test_branch_free_multi_step_build_changes_no_token_and_has_no_conditional(mo
                              SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)])
     assert calls and not any(calls)  # top-p and top logprobs: the branching build
     decode = (run.weights, run.kv_cache, engine.penalties,
-              *engine._decode_args(engine.decode_shape(4), [], [], [], 0))
+              *engine._decode_args(engine.decode_shape(4), [], [], 0))
     texts = {bf: run._decode_steps.lower(*decode, max_steps=STEPS, branch_free=bf).compile().as_text()
              for bf in (False, True)}
     assert " conditional(" in texts[False] and " conditional(" not in texts[True]
@@ -221,6 +221,6 @@ def test_decode_keeps_to_the_branching_build_until_the_background_one_is_ready(m
     # At exit the thread stops tracing (runner.precompile_in_background's atexit hook): a set `stop` compiles nothing.
     compiled, stop = dict(run._executables), threading.Event()
     stop.set()
-    args = engine._decode_args(engine.decode_shape(2), [], [], [], 0)
+    args = engine._decode_args(engine.decode_shape(2), [], [], 0)
     precompile([("decode", (engine.penalties, *args), {"max_steps": STEPS + 1})], stop=stop)
     assert run._executables == compiled
