@@ -26,13 +26,16 @@ from jaxinfer import LLM
 from jaxinfer.bench.measure import _start_decoding, back_to_back, kernel_profile
 from jaxinfer.bench.workloads import fixed, prompts
 from jaxinfer.engine.batcher import BatchShape
-from jaxinfer.engine.runner import NO_COMMAND_BUFFERS, ForwardInputs
+from jaxinfer.engine.runner import NO_COMMAND_BUFFERS
 
 VARIANTS = {
     "plain": NO_COMMAND_BUFFERS,  # what the runner compiles: kernels launched one by one
     "graphs": {},  # XLA's default CUDA graphs, updated when an input moves
     "graphs_skip_temp": {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"},
     "graphs_skip_profiled": {"xla_gpu_command_buffer_update_mode": "SKIP_PROFILED"},
+    # XLA merges dots that share an operand (q/k/v) up to 32 MB of weights by default; gate and up are 2 x 117 MB
+    # in Llama-3-8B, so they stay two GEMMs.
+    "dot_merge": {**NO_COMMAND_BUFFERS, "xla_gpu_dot_merger_threshold_mb": 1024},
 }
 
 def programs(runner, options: dict) -> tuple:
@@ -47,14 +50,14 @@ def programs(runner, options: dict) -> tuple:
 def profile(llm: LLM, plan, slots: list[int], tokens: int, calls: int, options: dict) -> dict:
     engine, runner = llm.engine, llm.engine.runner
     shape = BatchShape(tokens=tokens, seqs=tokens, pages_per_seq=engine.pages_per_seq)
-    host_batch, inputs = engine._step_args(shape, plan.seqs, [], slots)
+    host_batch, inputs = engine._step_args(shape, plan.seqs, slots)
     sampler_args = runner.place((inputs.sampling, inputs.slots, inputs.sample_mask))
     branch_free = runner.takes_branch_free(inputs.sampling)
     forward, sampler = programs(runner, options)
 
     def run():
-        batch, fwd = runner.place((host_batch, ForwardInputs.of(inputs)))  # new buffers, as in every engine step
-        runner.kv_cache, step = forward(runner.weights, runner.kv_cache, batch, fwd)
+        batch = runner.place(host_batch)  # new buffers, as in every engine step
+        runner.kv_cache, step = forward(runner.weights, runner.kv_cache, batch)
         engine.penalties, out = sampler(engine.penalties, step.logits, *sampler_args, branch_free=branch_free)
         return out
 
