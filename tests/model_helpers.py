@@ -136,7 +136,9 @@ def step_hlo(engine: Any, num_tokens: int, num_rows: int | None = None) -> str:
     runner = engine.runner
     shape = engine.step_shape(num_tokens, num_rows or num_tokens)
     batch, inputs = engine._step_args(shape, [], [])
-    forward = runner._forward_step.lower(runner.weights, runner.kv_cache, runner.place(batch))
+    from jaxinfer.engine.runner import forward_kind
+
+    forward = runner._jitted(forward_kind(shape.tokens)).lower(runner.weights, runner.kv_cache, runner.place(batch))
     logits = runner.example_logits(batch.logits_indices.shape[0])
     sampler = runner._sample_logits.lower(engine.penalties, logits, *runner.place(
         (inputs.sampling, inputs.slots, inputs.sample_mask)))

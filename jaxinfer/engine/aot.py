@@ -85,7 +85,7 @@ class CompiledPrograms:
                 if key in self._executables or key in lowered_keys:
                     continue
                 lowered = [(key, export_cache.lower(self._jitted(kind), args, static, exports))]
-                if kind == "forward":  # and the prompt-logprob program over its hidden states
+                if kind in ("forward", "small_forward"):  # and the prompt-logprob program over its hidden states
                     lowered.extend(self._lower_prompt(lowered[0][1].out_info[1].hidden, exports))
                 lowered_keys.update(k for k, _ in lowered)
                 sources.extend(getattr(low, "source", "lowered") for _, low in lowered)

@@ -75,6 +75,14 @@ PAGE_COPY_WIDTH = 16
 # (scripts/pipeline_timeline.py). The multi-step loop is unchanged either way (12.1 ms per iteration).
 # A GPU debug option: the other backends ignore it.
 NO_COMMAND_BUFFERS = {"xla_gpu_enable_command_buffer": ""}
+# Forwards of a few tokens (the GPU's batch-1..8 single steps) let XLA merge every set of dots that share an operand
+# into one GEMM: by default it merges up to 32 MB of weights, so q/k/v became one GEMM but a Llama-3-8B layer's gate
+# and up projections (2 x 117 MB) stayed two. Merged, an H200 ran a 2-token step's matmuls in 3.72 instead of 3.82 ms
+# and the host launched 32 kernels fewer (scripts/profile_single_step.py's dot_merge variant). At these row counts
+# XLA runs the merged dot as a Triton GEMM that reads both weights in place; larger steps keep the default, where a
+# library GEMM would need the two weights copied side by side.
+MERGED_DOTS_MAX_TOKENS = 8
+SMALL_FORWARD_OPTIONS = {**NO_COMMAND_BUFFERS, "xla_gpu_dot_merger_threshold_mb": 1024}
 
 
 @struct.dataclass
@@ -196,6 +204,8 @@ class ModelRunner(CompiledPrograms):
         # next forward before it has read this step's tokens (pipelined single steps, pipeline.py).
         self._forward_step = jax.jit(functools.partial(self._forward_step_impl, attn_fn=attn_fn), donate_argnums=(1,),
                                      compiler_options=NO_COMMAND_BUFFERS)
+        self._small_forward_step = jax.jit(functools.partial(self._forward_step_impl, attn_fn=attn_fn),
+                                           donate_argnums=(1,), compiler_options=SMALL_FORWARD_OPTIONS)
         self._sample_logits = jax.jit(self._sample_logits_impl, donate_argnums=(0,), static_argnames=("branch_free",),
                                       compiler_options=NO_COMMAND_BUFFERS)
         # On GPUs the single-step sampler has a second build without `lax.cond` (sampling.sample's
@@ -220,7 +230,8 @@ class ModelRunner(CompiledPrograms):
         # single step's ~600 kernels, each launched by the host one by one), and steps almost never copy.
         self._copy_step = jax.jit(self._copy_pages_impl, donate_argnums=(1,), compiler_options=NO_COMMAND_BUFFERS)
         self.attn_fn = attn_fn  # for entry points registered from outside (a draft model's proposal loop)
-        self._entry_points = {"forward": self._forward_step, "sample": self._sample_logits,
+        self._entry_points = {"forward": self._forward_step, "small_forward": self._small_forward_step,
+                              "sample": self._sample_logits,
                               "decode": self._decode_steps, "verify": self._verify_step, "copy": self._copy_step}
         # Prompt logprobs are their own program over the forward's hidden states, for the rare steps that ask:
         # as a `lax.cond` inside the forward, XLA's GPU runtime read the predicate back to the host in every
@@ -442,7 +453,8 @@ class ModelRunner(CompiledPrograms):
         """The model half of a step (`_forward_step_impl`) after the plan's page `copies`; the cache is updated in
         place (donated)."""
         self.copy_pages(copies)
-        self.kv_cache, out = self._dispatch("forward", (self.weights, self.kv_cache, batch), {})
+        kind = forward_kind(batch.token_ids.shape[0])
+        self.kv_cache, out = self._dispatch(kind, (self.weights, self.kv_cache, batch), {})
         return out
 
     def copy_pages(self, copies: Sequence[PageCopy]) -> None:
@@ -483,6 +495,11 @@ class ModelRunner(CompiledPrograms):
         """Host arrays -> device, replicated over the mesh (metadata is small); device arrays stay as they are.
         A tuple's elements are packed one by one (jaxinfer.engine.transfer)."""
         return self.transfer.place(batch, background)
+
+
+def forward_kind(num_tokens: int) -> str:
+    """The entry point of a forward over a bucket of `num_tokens` tokens (see MERGED_DOTS_MAX_TOKENS)."""
+    return "small_forward" if num_tokens <= MERGED_DOTS_MAX_TOKENS else "forward"
 
 
 def page_copy_arrays(copies: Sequence[PageCopy]) -> tuple[np.ndarray, np.ndarray]:

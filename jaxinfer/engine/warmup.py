@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from jaxinfer.engine.batcher import MIN_TOKEN_BUCKET
-from jaxinfer.engine.runner import page_copy_call
+from jaxinfer.engine.runner import forward_kind, page_copy_call
 
 if TYPE_CHECKING:
     from jaxinfer.engine.engine import Engine
@@ -50,7 +50,7 @@ def plan(engine: Engine) -> WarmupPlan:
     for shape in [engine.batch_shape(t) for t in engine.token_buckets] + engine.small_step_shapes():
         calls = now if shape.tokens >= MIN_TOKEN_BUCKET else later  # the small ones serve only once compiled
         batch, inputs = engine._step_args(shape, [], [])
-        calls.append(("forward", (batch,), {}))
+        calls.append((forward_kind(shape.tokens), (batch,), {}))
         if shape.seqs not in sampler_rows:  # the sampler's shapes depend on the rows only
             sampler_rows.add(shape.seqs)
             logits = runner.example_logits(shape.seqs)

@@ -106,6 +106,7 @@ def test_one_row_decode_loop_on_gpu(name: str) -> None:
 def test_forward_has_no_loop_and_decode_one_on_gpu() -> None:
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU (jax.default_backend() != 'gpu')")
+    from jaxinfer.engine.runner import forward_kind
     from jaxinfer.presets import load_preset
 
     cfg = load_preset("llama-3-8b").replace(hidden_size=256, intermediate_size=512, num_layers=2, num_heads=4,
@@ -117,7 +118,8 @@ def test_forward_has_no_loop_and_decode_one_on_gpu() -> None:
     loops = re.compile(r"\bwhile\(")
     for shape in engine.small_step_shapes() + [engine.batch_shape(t) for t in engine.token_buckets]:
         batch, inputs = engine._step_args(shape, [], [])
-        text = runner._forward_step.lower(runner.weights, runner.kv_cache, runner.place(batch)).compile().as_text()
+        forward = runner._jitted(forward_kind(shape.tokens))
+        text = forward.lower(runner.weights, runner.kv_cache, runner.place(batch)).compile().as_text()
         assert "mosaic" in text.lower() and not loops.findall(text), shape
     for rows in (1, 16):
         decode = (runner.weights, runner.kv_cache, engine.penalties,
