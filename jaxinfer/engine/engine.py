@@ -115,13 +115,17 @@ class Engine:
             enable_prefix_caching=enable_prefix_caching,
         )
         self.token_buckets = buckets_up_to(pow2_ceil(engine_cfg.max_num_batched_tokens), MIN_TOKEN_BUCKET)
-        # A single decoding sequence gets its own 1-row bucket: at M = 1 the weight matmuls are
-        # matrix-vector products, which stream the weights faster than a 16-row GEMM does.
+        # A single decoding sequence gets its own small bucket: at one or two rows the weight matmuls are
+        # matrix-vector products, which stream the weights faster than a 16-row GEMM does. On a GPU it has two
+        # rows (the second is padding): at M = 1 XLA:GPU lowers some projections to elementwise products and
+        # reductions instead of GEMMs (Qwen3-30B-A3B's attention output wrote and read a [N, H, D] temporary
+        # in every layer) or transposes the weights per call (the strict xfail in tests/engine/test_no_copies).
         # Above 64 rows, 1.5x steps (96, 192, ...) too: 192 sequences in a 256-row bucket ran a third more
         # rows through every matmul (H100, 1000/1000: 5,815 out tok/s at 192 prompts, 6,560 at 128).
         row_cap = pow2_ceil(engine_cfg.max_num_seqs)
         pow2 = buckets_up_to(row_cap, MIN_TOKEN_BUCKET)
-        self.decode_row_buckets = sorted({1, *pow2, *(b * 3 // 2 for b in pow2 if 64 <= b < row_cap)})
+        smallest = 2 if runner.mesh.devices.flat[0].platform == "gpu" else 1
+        self.decode_row_buckets = sorted({smallest, *pow2, *(b * 3 // 2 for b in pow2 if 64 <= b < row_cap)})
         self.times = PhaseTimes()
         self.pages_per_seq = -(-self.max_model_len // self.page_size)
         self.eos_ids = frozenset(tokenizer.eos_token_ids) if tokenizer else frozenset({cfg.eos_token_id} - {None})
@@ -170,9 +174,9 @@ class Engine:
         return [BatchShape(b, min(b, pow2_ceil(self.max_num_seqs)), self.pages_per_seq) for b in self.small_step_buckets]
 
     def decode_shape(self, num_rows: int) -> BatchShape:
-        """The bucket of a multi-step call over `num_rows` sequences: one token per row (T == S), rows
-        rounded up to the next of `decode_row_buckets` (1; powers of two from 16; 1.5x steps above 64), so
-        small batches do not pay for max_num_seqs rows."""
+        """The bucket of a multi-step call over `num_rows` sequences: one token per row (T == S), rows rounded
+        up to the next of `decode_row_buckets` (1, or 2 on a GPU; powers of two from 16; 1.5x steps above 64),
+        so small batches do not pay for max_num_seqs rows."""
         buckets = self.decode_row_buckets
         rows = buckets[min(bisect.bisect_left(buckets, num_rows), len(buckets) - 1)]
         return BatchShape(tokens=rows, seqs=rows, pages_per_seq=self.pages_per_seq)

@@ -76,10 +76,6 @@ def test_decode_loop_and_step_copy_no_weight_or_cache(name: str, attention_impl:
 
 
 # On a GPU the single step and the 8-row decode loop copy nothing, in bfloat16 (the GPU default) and float32.
-# The 1-row decode loop does: XLA:GPU stores the q/k/v projection weights [D, N, H] transposed to [N, H, D]
-# (a copy of each per call; seen on an H100 at eb00618 and since, in both dtypes, also with the projection
-# written as a 2-D [D, N*H] matmul). By default a GPU runs batches of at most 8 rows as single steps, so that
-# program serves only `single_step_max_rows=0`: a known gap, held by the strict xfail.
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 @pytest.mark.parametrize("name", FAMILIES)
@@ -89,8 +85,11 @@ def test_decode_loop_copies_no_weight_or_cache_on_gpu(name: str, dtype) -> None:
     _check(name, "reference", dtype, decode_rows=(8,))
 
 
+# A lone decoding row's loop runs in a 2-row bucket on a GPU (Engine.decode_row_buckets). In a 1-row bucket
+# XLA:GPU stored the q/k/v projection weights [D, N, H] transposed to [N, H, D] (a copy of each per call; seen on
+# an H100 at eb00618 and since, in both dtypes); at two rows every projection is a GEMM over the weights in place
+# (passed on an H200 on 2026-11-26, where the 1-row bucket still copied).
 @pytest.mark.gpu
-@pytest.mark.xfail(strict=True, reason="XLA:GPU transposes the q/k/v weights in the 1-row decode loop")
 @pytest.mark.parametrize("name", FAMILIES)
 def test_one_row_decode_loop_on_gpu(name: str) -> None:
     if jax.default_backend() != "gpu":
