@@ -37,6 +37,7 @@ import jax
 import numpy as np
 
 from jaxinfer.engine.batcher import BatchShape
+from jaxinfer.engine.page_table import PageCopy
 from jaxinfer.engine.request import RequestState
 from jaxinfer.engine.runner import DecodeInputs, MultiStepOutput, SampleInputs, StepBatch
 from jaxinfer.engine.sampling import MAX_STOP_IDS, PenaltyState, SamplerOutput
@@ -159,7 +160,7 @@ class DecodeLoop:
 
     def _launch(
         self, plan: StepPlan, num_iterations: int, batch: StepBatch, inputs: SampleInputs, decode: DecodeInputs,
-        copies: Sequence[Any] = (),
+        copies: Sequence[PageCopy] = (),
     ) -> _InFlight:
         """Make the device call on the launcher thread. XLA's GPU runtime reads the loop and branch conditions
         of the multi-step body back to the host, so the call itself returns only when the loop is (nearly)

@@ -119,7 +119,7 @@ class Engine:
         # matrix-vector products, which stream the weights faster than a 16-row GEMM does. On a GPU it has two
         # rows (the second is padding): at M = 1 XLA:GPU lowers some projections to elementwise products and
         # reductions instead of GEMMs (Qwen3-30B-A3B's attention output wrote and read a [N, H, D] temporary
-        # in every layer) or transposes the weights per call (the strict xfail in tests/engine/test_no_copies).
+        # in every layer) or copies the q/k/v weights transposed once per call (tests/engine/test_no_copies).
         # Above 64 rows, 1.5x steps (96, 192, ...) too: 192 sequences in a 256-row bucket ran a third more
         # rows through every matmul (H100, 1000/1000: 5,815 out tok/s at 192 prompts, 6,560 at 128).
         row_cap = pow2_ceil(engine_cfg.max_num_seqs)

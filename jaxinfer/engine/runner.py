@@ -227,7 +227,7 @@ class ModelRunner(CompiledPrograms):
         )
         # Copy-on-write page copies are a program of their own, run before a step only when its plan has some.
         # Inside every step they cost two scatters per layer whether or not a page moved (64 of a Llama-3-8B
-        # single step's ~600 kernels, each launched by the host one by one), and steps almost never copy.
+        # single step's ~580 kernels, each launched by the host one by one), and steps almost never copy.
         self._copy_step = jax.jit(self._copy_pages_impl, donate_argnums=(1,), compiler_options=NO_COMMAND_BUFFERS)
         self.attn_fn = attn_fn  # for entry points registered from outside (a draft model's proposal loop)
         self._entry_points = {"forward": self._forward_step, "small_forward": self._small_forward_step,
