@@ -1,0 +1,51 @@
+"""On a GPU the smallest multi-step decode bucket has 2 rows (Engine.decode_row_buckets: at M = 1 XLA:GPU lowers some
+projections badly), so a lone decoding row runs beside a padding row: the padding row must change nothing, for a
+dense model and for an MoE one (whose padding pairs reach no expert). CPU forces the 2-row bucket here."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from jaxinfer.config import CacheConfig, EngineConfig, SamplingParams
+from jaxinfer.engine.engine import Engine
+from jaxinfer.models import LLAMA, QWEN3_MOE
+from jaxinfer.presets import load_preset
+from model_helpers import build_runner, tiny_config
+
+# Qwen3-30B-A3B's layout at toy size: 8 experts, top-2, one dense layer among them.
+TINY_MOE = load_preset("qwen3-30b-a3b").replace(
+    vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
+    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=(1,))
+CASES = {"llama": (LLAMA, tiny_config()), "qwen3_moe": (QWEN3_MOE, TINY_MOE)}
+
+
+def _decode_alone(runner, smallest: int, monkeypatch):
+    rows = []
+    decode_steps = type(runner).decode_steps
+
+    def spy(self, penalties, batch, *args, **kwargs):
+        rows.append(batch.token_ids.shape[0])
+        return decode_steps(self, penalties, batch, *args, **kwargs)
+
+    engine = Engine(runner, None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16),
+                    CacheConfig(page_size=4, num_pages=40), use_tqdm=False, decode_steps_per_call=4)
+    engine.decode_row_buckets = sorted({smallest, *(b for b in engine.decode_row_buckets if b > 2)})
+    engine.warmup()
+    monkeypatch.setattr(type(runner), "decode_steps", spy)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=0)
+    (out,) = engine.generate([[5, 17, 42, 9, 100, 3]], params)
+    monkeypatch.undo()
+    assert engine.stats()["num_compiles_after_warmup"] == 0
+    assert rows and set(rows) == {smallest}, rows  # every decode ran in the multi-step loop's smallest bucket
+    completion = out.outputs[0]
+    return completion.token_ids, [lp[t].logprob for lp, t in zip(completion.logprobs, completion.token_ids)]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_a_two_row_bucket_decodes_a_lone_row_as_the_one_row_bucket(name: str, monkeypatch) -> None:
+    family, cfg = CASES[name]
+    runner = build_runner(cfg, family=family, num_pages=40, page_size=4)
+    (one, one_lp), (two, two_lp) = _decode_alone(runner, 1, monkeypatch), _decode_alone(runner, 2, monkeypatch)
+    assert one == two
+    np.testing.assert_allclose(one_lp, two_lp, atol=1e-5)
