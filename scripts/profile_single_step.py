@@ -26,16 +26,16 @@ from jaxinfer import LLM
 from jaxinfer.bench.measure import _start_decoding, back_to_back, kernel_profile
 from jaxinfer.bench.workloads import fixed, prompts
 from jaxinfer.engine.batcher import BatchShape
-from jaxinfer.engine.runner import NO_COMMAND_BUFFERS
+from jaxinfer.engine.runner import NO_COMMAND_BUFFERS, SMALL_FORWARD_OPTIONS, forward_kind
 
 VARIANTS = {
-    "plain": NO_COMMAND_BUFFERS,  # what the runner compiles: kernels launched one by one
+    "plain": NO_COMMAND_BUFFERS,  # what the runner compiles for steps of 9+ tokens: kernels launched one by one
     "graphs": {},  # XLA's default CUDA graphs, updated when an input moves
     "graphs_skip_temp": {"xla_gpu_command_buffer_update_mode": "SKIP_TEMP"},
     "graphs_skip_profiled": {"xla_gpu_command_buffer_update_mode": "SKIP_PROFILED"},
-    # XLA merges dots that share an operand (q/k/v) up to 32 MB of weights by default; gate and up are 2 x 117 MB
-    # in Llama-3-8B, so they stay two GEMMs.
-    "dot_merge": {**NO_COMMAND_BUFFERS, "xla_gpu_dot_merger_threshold_mb": 1024},
+    # What the engine compiles for steps of <= 8 tokens (runner.SMALL_FORWARD_OPTIONS): XLA's dot merger past its
+    # 32 MB default, so Llama-3-8B's gate and up (2 x 117 MB) are one GEMM.
+    "dot_merge": SMALL_FORWARD_OPTIONS,
 }
 
 def programs(runner, options: dict) -> tuple:
@@ -75,7 +75,8 @@ def main() -> None:
     p.add_argument("--model", default="llama-3-8b")
     p.add_argument("--ctx", type=int, default=1024)
     p.add_argument("--buckets", type=int, nargs="+", default=[2, 16])
-    p.add_argument("--variants", nargs="+", default=["plain"], choices=sorted(VARIANTS))
+    p.add_argument("--variants", nargs="+", default=["engine"], choices=["engine", *sorted(VARIANTS)],
+                   help="engine: the options the engine compiles that bucket with")
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--memory-fraction", type=float, default=0.85)
     p.add_argument("--out", default="profile_single_step.json")
@@ -91,7 +92,9 @@ def main() -> None:
     for variant in args.variants:
         for tokens in args.buckets:
             try:
-                row = {"variant": variant, **profile(llm, plan, slots, tokens, args.calls, VARIANTS[variant])}
+                options = VARIANTS[variant] if variant != "engine" else (
+                    SMALL_FORWARD_OPTIONS if forward_kind(tokens) == "small_forward" else NO_COMMAND_BUFFERS)
+                row = {"variant": variant, **profile(llm, plan, slots, tokens, args.calls, options)}
             except Exception as e:  # noqa: BLE001 - an option this XLA refuses: say so, go on
                 row = {"variant": variant, "tokens": tokens, "error": f"{type(e).__name__}: {e}"[:300]}
             result["runs"].append(row)
