@@ -189,7 +189,7 @@ print(f(llm.describe()))' ;;
       run trace_b1 400 python3 scripts/trace_engine.py --batch 1 --memory-fraction 0.85 --max-num-batched-tokens 512 \
         --single-step-max-rows 8 0 --overlap-only --calls 16 --out "$OUT/trace_b1.json" ;;
     single_step)
-      run single_step 500 python3 scripts/profile_single_step.py --buckets ${SS_BUCKETS:-2 16} --variants ${SS_VARIANTS:-plain} \
+      run single_step 500 python3 scripts/profile_single_step.py --buckets ${SS_BUCKETS:-2 16} --variants ${SS_VARIANTS:-engine} \
         --out "$OUT/single_step.json" ;;
     ab_b1)
       run ab_b1 590 python3 scripts/ab_bench.py --trees .ab_old . --repeats 2 --out "$OUT/ab_b1.jsonl" -- \
