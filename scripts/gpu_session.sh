@@ -54,7 +54,7 @@
 #   trace_b1     scripts/trace_engine.py at batch 1, Llama-3-8B: pipelined single steps against the multi-step loop
 #                (overlapped), 16 engine steps each: $OUT/trace_b1.json and the raw Perfetto traces
 #   single_step  scripts/profile_single_step.py: one decoding row's single step in token buckets SS_BUCKETS (2 16)
-#                under compiler options SS_VARIANTS (plain): step, device and host launch time: $OUT/single_step.json
+#                under compiler options SS_VARIANTS (engine: as the engine compiles each bucket): step, device and host launch time: $OUT/single_step.json
 #   ab_b1        batch-1 decode (end to end and device only) of .ab_old (a git worktree, carried) and this tree,
 #                alternating twice: $OUT/ab_b1.jsonl
 #   ab_grid      issue 12's TP=1 bar: the run of record's fixed grids and decode at batch 1 through the public
