@@ -30,6 +30,21 @@ def tiny_config(**overrides) -> ModelConfig:
     return base.replace(**{**small, **overrides})
 
 
+QWEN3_SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
+                   head_dim=32)  # head_dim * heads != hidden, as in Qwen3-30B-A3B
+QWEN3_SMALL_MOE = dict(QWEN3_SMALL, num_layers=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                       decoder_sparse_step=1, mlp_only_layers=(2,))
+
+
+def tiny_qwen3_dense(**overrides) -> ModelConfig:
+    return load_preset("qwen3-8b").replace(**{**QWEN3_SMALL, **overrides})
+
+
+def tiny_qwen3_moe(**overrides) -> ModelConfig:
+    """Qwen3-30B-A3B's layout at toy size: 8 experts, top-2, one dense layer among four."""
+    return load_preset("qwen3-30b-a3b").replace(**{**QWEN3_SMALL_MOE, **overrides})
+
+
 def build_runner(cfg: ModelConfig, tp: int = 1, seed: int = 0, num_pages: int = 64, page_size: int = 4,
                  family: ModelFamily = LLAMA, weights_hook: Callable[[Any], Any] | None = None,
                  attention_impl: str = "reference", dtype: Any = jnp.float32) -> ModelRunner:

@@ -124,7 +124,7 @@ class Engine:
         # rows through every matmul (H100, 1000/1000: 5,815 out tok/s at 192 prompts, 6,560 at 128).
         row_cap = pow2_ceil(engine_cfg.max_num_seqs)
         pow2 = buckets_up_to(row_cap, MIN_TOKEN_BUCKET)
-        smallest = 2 if runner.mesh.devices.flat[0].platform == "gpu" else 1
+        smallest = 2 if runner.platform == "gpu" else 1
         self.decode_row_buckets = sorted({smallest, *pow2, *(b * 3 // 2 for b in pow2 if 64 <= b < row_cap)})
         self.times = PhaseTimes()
         self.pages_per_seq = -(-self.max_model_len // self.page_size)

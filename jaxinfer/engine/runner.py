@@ -169,6 +169,7 @@ class ModelRunner(CompiledPrograms):
     ) -> None:
         self.family, self.cfg, self.weights, self.kv_cache = family, cfg, weights, kv_cache
         self.mesh, self.rules = mesh, rules
+        self.platform = mesh.devices.flat[0].platform  # "cpu", "gpu" or "tpu": what compiles the programs
         # A vocabulary-parallel lm_head leaves the logits split over `tensor`; the sampler keeps them split.
         vocab_axes = rules.mapping.get(Logical.VOCAB)
         self.vocab = VocabShards(mesh, vocab_axes) if vocab_axes is not None else None
@@ -211,7 +212,7 @@ class ModelRunner(CompiledPrograms):
         # On GPUs the single-step sampler has a second build without `lax.cond` (sampling.sample's
         # `branch_free`), for the steps it serves: there a cond makes the host wait for the device (see
         # `sampling._when`). Elsewhere a cond costs no host round trip, and one build serves every step.
-        self.branch_free_sampler = mesh.devices.flat[0].platform == "gpu"
+        self.branch_free_sampler = self.platform == "gpu"
         # The multi-step loop has the same second build (`branch_free`), for calls whose rows all pass
         # `branch_free_applies`: each cond in the loop body made the host wait for the device in every
         # iteration, and the host then launched the rest of the iteration (a CUDA graph) onto an idle GPU. On an

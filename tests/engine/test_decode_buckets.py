@@ -10,14 +10,9 @@ import pytest
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingParams
 from jaxinfer.engine.engine import Engine
 from jaxinfer.models import LLAMA, QWEN3_MOE
-from jaxinfer.presets import load_preset
-from model_helpers import build_runner, tiny_config
+from model_helpers import build_runner, tiny_config, tiny_qwen3_moe
 
-# Qwen3-30B-A3B's layout at toy size: 8 experts, top-2, one dense layer among them.
-TINY_MOE = load_preset("qwen3-30b-a3b").replace(
-    vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=32,
-    num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1, mlp_only_layers=(1,))
-CASES = {"llama": (LLAMA, tiny_config()), "qwen3_moe": (QWEN3_MOE, TINY_MOE)}
+CASES = {"llama": (LLAMA, tiny_config()), "qwen3_moe": (QWEN3_MOE, tiny_qwen3_moe())}
 
 
 def _decode_alone(runner, smallest: int, monkeypatch):

@@ -15,21 +15,10 @@ from jaxinfer.models.qwen3 import config_from_hf, is_moe_layer, moe_config_from_
 from jaxinfer.params import abstract_params, count_params
 from jaxinfer.presets import load_preset
 from model_helpers import build_runner as shared_build_runner
-from model_helpers import abstract_forward_inputs, rel_err, run_chunks
+from model_helpers import QWEN3_SMALL_MOE, abstract_forward_inputs, rel_err, run_chunks, tiny_qwen3_dense, tiny_qwen3_moe
 from moe_reference import reference_logits
 
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2,
-             head_dim=32)  # head_dim * heads != hidden, as in Qwen3-30B-A3B
-SMALL_MOE = dict(SMALL, num_layers=4, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
-                 decoder_sparse_step=1, mlp_only_layers=(2,))
-
-
-def tiny_dense(**overrides) -> ModelConfig:
-    return load_preset("qwen3-8b").replace(**{**SMALL, **overrides})
-
-
-def tiny_moe(**overrides) -> ModelConfig:
-    return load_preset("qwen3-30b-a3b").replace(**{**SMALL_MOE, **overrides})
+tiny_dense, tiny_moe = tiny_qwen3_dense, tiny_qwen3_moe
 
 
 def perturb(weights, seed: int):
@@ -162,7 +151,7 @@ def test_bad_moe_fields_name_field_and_limit(bad: dict, message: str) -> None:
 
 
 def test_mlp_only_layers_from_yaml_list_is_a_tuple() -> None:
-    cfg = ModelConfig.from_dict({**{k: v for k, v in SMALL_MOE.items() if k != "mlp_only_layers"},
+    cfg = ModelConfig.from_dict({**{k: v for k, v in QWEN3_SMALL_MOE.items() if k != "mlp_only_layers"},
                                  "architecture": "qwen3_moe", "mlp_only_layers": [0, 2]})
     assert cfg.mlp_only_layers == (0, 2) and hash(cfg)
 
