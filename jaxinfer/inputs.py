@@ -64,6 +64,11 @@ def _token_ids(value: Any, field: str) -> tuple[int, ...]:
         if value.ndim != 1 or value.dtype.kind not in "iu":
             raise _bad(field, value, "a 1-D integer array of token ids")
         return tuple(int(t) for t in value.tolist())
+    # The common case, plain Python ints (bool is a subclass: `type` tells them apart), in one cheap pass: the
+    # per-element check below took ~2 ms of a 4k-token prompt's time to first token. Anything else goes
+    # through that check, which names the first bad position.
+    if all(type(t) is int for t in value):
+        return tuple(value)
     for i, t in enumerate(value):
         if not is_int(t):
             raise _bad(f"{field}[{i}]", t, "an integer token id (floats, booleans and None are refused)")

@@ -133,7 +133,9 @@ def test_prompt_forms() -> None:
      (["a", 5], "prompts[1]"), ([[1, None]], "prompts[0][1]"), ([["a"]], "prompts[0][0]"), ("\ud800x", "prompt"),
      (np.array([1.0, 2.0]), "prompt"), ({"prompt": None}, "prompt.prompt"), ({"prompt_token_ids": "12"},
      "prompt.prompt_token_ids"), ({"multi_modal_data": {}}, "prompt.multi_modal_data"), ({}, "prompt"),
-     (object(), "prompts")],
+     (object(), "prompts"),
+     # past the all-int fast path: a bool (an int subclass) or a float deep in a long prompt is still found
+     ([7] * 4000 + [True], "prompt[4000]"), ((7,) * 300 + (3.0,), "prompt[300]")],
 )
 def test_bad_prompts_name_the_field(prompts, field: str) -> None:
     with pytest.raises(InvalidInput) as info:
