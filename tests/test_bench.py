@@ -172,7 +172,9 @@ def test_bench_sweep_decode_and_prefill_are_consistent(bench_run):
         kernels = d["kernels"]  # CPU: no device events, so the host's spans are summed
         assert kernels["source"] == "host" and kernels["top"] and kernels["total_ms_per_call"] > 0
         assert sum(kernels["ms_per_call_by_class"].values()) == pytest.approx(kernels["total_ms_per_call"])
-    assert result["prefill"]["tokens"] == 48 and result["prefill"]["mfu"] > 0
+    prefill = result["prefill"]
+    assert prefill["tokens"] == 48 and prefill["mfu"] > 0
+    assert len(prefill["prefill_times_s"]) == 3 and prefill["prefill_s"] == sorted(prefill["prefill_times_s"])[1]
     text = report.table(result)
     assert "decode batch   1" in text and "offline         24/12" in text and "concurrency    4" in text
 

@@ -185,15 +185,21 @@ def _start_decoding(engine: Any, batch: list[list[int]]) -> list[Any]:
     return states
 
 
-def prefill_mfu(llm: Any, cost: ModelCost, tokens: int, rate: float) -> dict[str, Any]:
-    """One `tokens`-long prompt, timed to its first token (chunked by the engine's token budget)."""
-    warm, prompt = prompts(fixed(tokens, 1, 2), llm.model_config.vocab_size, seed=tokens)  # distinct: no prefix hit
-    llm.generate([warm], greedy(1), use_tqdm=False)  # warm the path
-    t = time.perf_counter()
-    llm.generate([prompt], greedy(1), use_tqdm=False)
-    elapsed = time.perf_counter() - t
+def prefill_mfu(llm: Any, cost: ModelCost, tokens: int, rate: float, repeats: int = 3) -> dict[str, Any]:
+    """A `tokens`-long prompt timed to its first token (chunked by the engine's token budget): the median of
+    `repeats` distinct prompts after one that warms the path (each is one engine step of ~100 ms at 4k tokens
+    on an H200, so a single sample carries the host's jitter; all of them are kept in `prefill_times_s`)."""
+    warm, *timed = prompts(fixed(tokens, 1, repeats + 1), llm.model_config.vocab_size, seed=tokens)  # no prefix hit
+    llm.generate([warm], greedy(1), use_tqdm=False)
+    times = []
+    for prompt in timed:
+        t = time.perf_counter()
+        llm.generate([prompt], greedy(1), use_tqdm=False)
+        times.append(time.perf_counter() - t)
+    elapsed = float(np.median(times))
     flops = 2 * cost.body_params * tokens + 2 * cost.head_params + cost.attn_flops_per_pair * tokens * (tokens + 1) // 2
-    return {"tokens": tokens, "prefill_s": elapsed, "tflops": flops / elapsed / 1e12, "mfu": flops / elapsed / rate}
+    return {"tokens": tokens, "prefill_s": elapsed, "prefill_times_s": times, "tflops": flops / elapsed / 1e12,
+            "mfu": flops / elapsed / rate}
 
 
 def back_to_back(fn: Callable[[], Any], calls: int = 20) -> tuple[float, float]:
