@@ -22,11 +22,31 @@ import pytest  # noqa: E402
 from goldens import load_golden  # noqa: E402  (tests import it from there too)
 
 
+# The slowest modules, slowest first (per-module totals of `--durations` on the 2-core CI machine, 2026-11-26).
+# CI runs the suite with `-n 2 --dist loadfile`: xdist hands whole modules to its two workers in collection
+# order, and collection order put most of these (tests/test_*.py) last, so one worker ran the long tail alone.
+# Starting them first lets the many short modules fill in behind. Only the order changes; every module runs.
+SLOWEST_MODULES = (
+    "test_parity.py", "test_parity_spec.py", "test_bench_scaling.py", "engine/test_speculative.py",
+    "serve/test_structured.py", "test_parity_gemma3.py", "distributed/test_multihost.py", "test_beam_search.py",
+    "engine/test_no_copies.py", "test_vllm_examples.py", "test_quantization_accuracy.py", "test_notebooks.py",
+    "engine/test_overlap.py", "test_collectives.py", "test_bench.py", "serve/test_server_smollm2.py",
+    "test_bench_spec.py", "batch/test_batch_jobs.py", "test_quantization.py", "serve/test_engine_process.py",
+)
+
+
+def _slow_rank(item) -> int:
+    path = Path(str(item.fspath)).resolve().relative_to(Path(__file__).resolve().parent).as_posix()
+    return SLOWEST_MODULES.index(path) if path in SLOWEST_MODULES else len(SLOWEST_MODULES)
+
+
 def pytest_collection_modifyitems(config, items):
-    """`gpu`-marked tests are skipped when JAX sees no GPU, wherever they live (a GPU test left to run on the
-    CPU backend can take minutes: a 2-layer Qwen3-30B-A3B shape took 4 in CI)."""
+    """The slowest modules first (SLOWEST_MODULES; a stable sort, so tests keep their order inside a module), and
+    `gpu`-marked tests skipped when JAX sees no GPU, wherever they live (a GPU test left to run on the CPU
+    backend can take minutes: a 2-layer Qwen3-30B-A3B shape took 4 in CI)."""
     import jax
 
+    items.sort(key=_slow_rank)
     if jax.default_backend() == "gpu":
         return
     skip = pytest.mark.skip(reason="needs a GPU (jax.default_backend() != 'gpu')")
