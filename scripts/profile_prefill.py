@@ -7,8 +7,8 @@ engine's own bucket and compiled program), timed back to back and broken down by
 One JSON line per variant (the runner's own program, or the same forward compiled with other XLA options):
 the forward's time back to back (the device's, when the host keeps ahead), one lone call's wall time (what a
 first token waits for), the host's time to make a call, MFU against the active FLOPs (the bench's
-`prefill_mfu` count), and the kernels grouped into classes by name (`CLASSES`); the JSON adds the top
-kernels, and `generate_ms`, the bench's own end-to-end measurement (`measure.prefill_mfu`: LLM.generate to the
+`prefill_mfu` count), and the kernels' total; the JSON adds the bench's kernel table (`kernel_profile`: classes
+and the top kernels), and `generate_ms`, the bench's own end-to-end measurement (`measure.prefill_mfu`: LLM.generate to the
 first token, median of three prompts). The
 chunk rewrites the same KV pages on every call, which changes nothing the forward computes. `--trace-generate`
 traces that end-to-end measurement too (where its time beyond the forward's goes); `--hlo` writes the
@@ -19,11 +19,8 @@ from __future__ import annotations
 
 import argparse
 import functools
-import glob
-import gzip
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +28,8 @@ import jax
 
 from jaxinfer import LLM
 from jaxinfer.bench.limits import ModelCost
-from jaxinfer.bench.measure import back_to_back, device_spans, greedy, matmul_rate, prefill_mfu
+from jaxinfer.bench.measure import (back_to_back, greedy, kernel_profile, matmul_rate, prefill_mfu,
+                                    profiler_events)
 from jaxinfer.bench.workloads import fixed, prompts
 from jaxinfer.engine.runner import NO_COMMAND_BUFFERS, forward_kind
 
@@ -44,27 +42,6 @@ VARIANTS = {
 
 sys.path.insert(0, str(Path(__file__).parent))  # trace_engine's trace summary
 
-# Substrings of device event names, checked in order; the first match names the class.
-CLASSES = (
-    # Every Pallas Mosaic GPU kernel (attention and the expert matmuls) is named anonymous_mosaic_gpu_kernel.
-    ("Pallas (attention, expert matmuls)", ("mosaic",)),
-    ("attention", ("ragged", "attention", "paged", "flash")),
-    ("matmul", ("gemm", "cublas", "nvjet", "cutlass", "matmul", "dot")),
-    ("sort", ("sort", "radix", "cub")),
-    ("gather / scatter", ("gather", "scatter", "dynamic")),
-)
-
-
-def classify(per_name: dict[str, float]) -> dict[str, dict[str, float]]:
-    classes: dict[str, dict[str, float]] = {}
-    for name, ms in per_name.items():
-        lowered = name.lower()
-        cls = next((c for c, keys in CLASSES if any(k in lowered for k in keys)), "other (fusions)")
-        entry = classes.setdefault(cls, {"ms": 0.0, "kernels": 0})
-        entry["ms"] += ms
-        entry["kernels"] += 1
-    return dict(sorted(classes.items(), key=lambda kv: -kv[1]["ms"]))
-
 
 def traced_generate(llm: LLM, tokens: int) -> dict:
     """The bench's `prefill_mfu` measurement (a fresh `tokens`-long prompt to its first token through
@@ -74,19 +51,16 @@ def traced_generate(llm: LLM, tokens: int) -> dict:
 
     warm, prompt = prompts(fixed(tokens, 1, 2), llm.model_config.vocab_size, seed=tokens + 1)
     llm.generate([warm], greedy(1), use_tqdm=False)
-    with tempfile.TemporaryDirectory() as tmp:
+    wall = []
+
+    def timed():
         t = time.perf_counter()
-        with jax.profiler.trace(tmp, create_perfetto_trace=True):
-            llm.generate([prompt], greedy(1), use_tqdm=False)
-        wall = time.perf_counter() - t
-        (path,) = glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)
-        with gzip.open(path) as f:
-            trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    starts = [e["ts"] for e in events if e.get("ph") == "X" and "ts" in e]
-    summary = summarize(events, min_gap_us=50.0)
+        llm.generate([prompt], greedy(1), use_tqdm=False)
+        wall.append(time.perf_counter() - t)
+
+    summary = summarize(profiler_events(timed), min_gap_us=50.0)
     summary.pop("top_kernels_us", None)
-    return {"wall_ms": wall * 1e3, "trace_span_us": max(starts) - min(starts) if starts else None, **summary}
+    return {"wall_ms": wall[0] * 1e3, **summary}
 
 
 def lone_call_ms(fn, repeats: int = 5) -> float:
@@ -131,19 +105,15 @@ def profile(model: str, tokens: int, calls: int, memory_fraction: float, rate: f
 
         per_call, launch = back_to_back(run, calls)
         lone = lone_call_ms(run)
-        source, spans = device_spans(lambda run=run: [run() for _ in range(calls)])
-        per_name = {name: ms / calls for name, ms in spans.items()}
-        top = sorted(per_name.items(), key=lambda kv: -kv[1])[:40]
         result["variants"][variant] = {
-            "source": source,
             "ms_per_forward": per_call * 1e3,  # back to back: the device's time when the host keeps ahead
             "launch_ms": launch * 1e3,  # the host's time to make one call
             "lone_call_ms": lone,
-            "kernel_ms": sum(per_name.values()), "kernel_names": len(per_name),
             "tflops": flops / per_call / 1e12, "mfu": flops / per_call / rate if rate else None,
             "lone_call_mfu": flops / (lone / 1e3) / rate if rate else None,
-            "classes": classify(per_name),
-            "top": [{"name": n[:140], "ms": round(ms, 4)} for n, ms in top],
+            # Every Pallas Mosaic GPU kernel (attention and the expert matmuls alike) is named
+            # anonymous_mosaic_gpu_kernel; `--hlo` names the fusions.
+            "kernels": kernel_profile(lambda run=run: [run() for _ in range(calls)], calls, top=40),
         }
     engine.abort(rid)
     result["generate"] = prefill_mfu(llm, cost, tokens, rate or float("nan"))  # the bench's own measurement
@@ -178,7 +148,8 @@ def main() -> None:
     for name, v in row["variants"].items():
         head = {"model": row["model"], "max_num_seqs": row["max_num_seqs"], "variant": name,
                 "generate_ms": round(row["generate_ms"], 2)}
-        figures = {k: (round(x, 3) if isinstance(x, float) else x) for k, x in v.items() if k not in ("top", "classes")}
+        figures = {k: (round(x, 3) if isinstance(x, float) else x) for k, x in v.items() if k != "kernels"}
+        figures["kernel_ms"] = round(v["kernels"]["total_ms_per_call"], 3)
         print(json.dumps(head | figures), flush=True)
     out.write_text(json.dumps({"matmul_rate_tflops": rate / 1e12, "runs": runs}, indent=1) + "\n")
 

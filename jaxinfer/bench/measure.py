@@ -280,24 +280,33 @@ def device_spans(fn: Callable[[], Any]) -> tuple[str, dict[str, float]]:
     return source, per_name
 
 
-def device_events(fn: Callable[[], Any]) -> tuple[str, list[tuple[str, float]]]:
-    """Run `fn` once under the JAX profiler; (source, [(event name, ms)] for every span) from its Perfetto trace.
-
-    On a GPU only the device's own events count (the host threads are left out): source "device". On CPU
-    there are no device events and the host's are taken instead: source "host".
-    """
+def profiler_events(fn: Callable[[], Any], keep: str | None = None) -> list[dict[str, Any]]:
+    """Run `fn` once under the JAX profiler and wait for its result; the events of its Perfetto trace (raw
+    dicts: ph, name, pid, ts, dur, args). `keep`: also copy the gzipped trace to this path (ui.perfetto.dev)."""
     import glob
     import gzip
     import json
+    import shutil
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             jax.block_until_ready(fn())
         (path,) = glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)
+        if keep:
+            shutil.copy(path, keep)
         with gzip.open(path) as f:
             trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    return trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
+def device_events(fn: Callable[[], Any]) -> tuple[str, list[tuple[str, float]]]:
+    """Run `fn` once under the JAX profiler; (source, [(event name, ms)] for every span) from its Perfetto trace.
+
+    On a GPU only the device's own events count (the host threads are left out): source "device". On CPU
+    there are no device events and the host's are taken instead: source "host".
+    """
+    events = profiler_events(fn)
     names = {e["pid"]: e["args"]["name"] for e in events if e.get("ph") == "M" and e.get("name") == "process_name"}
     device = {pid for pid, name in names.items() if "GPU" in name or "TPU" in name}
     spans = [(e["name"], float(e.get("dur", 0.0)) / 1e3) for e in events  # us -> ms
