@@ -280,21 +280,18 @@ def device_spans(fn: Callable[[], Any]) -> tuple[str, dict[str, float]]:
     return source, per_name
 
 
-def profiler_events(fn: Callable[[], Any], keep: str | None = None) -> list[dict[str, Any]]:
+def profiler_events(fn: Callable[[], Any]) -> list[dict[str, Any]]:
     """Run `fn` once under the JAX profiler and wait for its result; the events of its Perfetto trace (raw
-    dicts: ph, name, pid, ts, dur, args). `keep`: also copy the gzipped trace to this path (ui.perfetto.dev)."""
+    dicts: ph, name, pid, ts, dur, args)."""
     import glob
     import gzip
     import json
-    import shutil
     import tempfile
 
     with tempfile.TemporaryDirectory() as tmp:
         with jax.profiler.trace(tmp, create_perfetto_trace=True):
             jax.block_until_ready(fn())
         (path,) = glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)
-        if keep:
-            shutil.copy(path, keep)
         with gzip.open(path) as f:
             trace = json.load(f)
     return trace["traceEvents"] if isinstance(trace, dict) else trace
