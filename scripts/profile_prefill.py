@@ -8,11 +8,11 @@ One JSON line per variant (the runner's own program, or the same forward compile
 the forward's time back to back (the device's, when the host keeps ahead), one lone call's wall time (what a
 first token waits for), the host's time to make a call, MFU against the active FLOPs (the bench's
 `prefill_mfu` count), and the kernels' total; the JSON adds the bench's kernel table (`kernel_profile`: classes
-and the top kernels), and `generate_ms`, the bench's own end-to-end measurement (`measure.prefill_mfu`: LLM.generate to the
-first token, median of three prompts). The
-chunk rewrites the same KV pages on every call, which changes nothing the forward computes. `--trace-generate`
-traces that end-to-end measurement too (where its time beyond the forward's goes); `--hlo` writes the
-forward's compiled HLO, to tell what each fusion in the kernel table computes.
+and the top kernels), and `generate_ms`, the bench's own end-to-end measurement (`measure.prefill_mfu`:
+LLM.generate to the first token, median of three prompts). The chunk rewrites the same KV pages on every call,
+which changes nothing the forward computes. `--trace-generate` traces that end-to-end measurement too (where its
+time beyond the forward's goes); `--hlo` writes the forward's compiled HLO, to tell what each fusion in the
+kernel table computes. The variants' compiler options are profile_single_step's (`VARIANTS`).
 """
 
 from __future__ import annotations
@@ -31,16 +31,10 @@ from jaxinfer.bench.limits import ModelCost
 from jaxinfer.bench.measure import (back_to_back, greedy, kernel_profile, matmul_rate, prefill_mfu,
                                     profiler_events)
 from jaxinfer.bench.workloads import fixed, prompts
-from jaxinfer.engine.runner import NO_COMMAND_BUFFERS, forward_kind
+from jaxinfer.engine.runner import forward_kind
 
-# Compiler options a variant compiles the same forward with (the engine compiles steps of 9+ tokens with
-# NO_COMMAND_BUFFERS: kernels launched one by one).
-VARIANTS = {
-    "graphs": {},  # XLA's default CUDA graphs (command buffers), updated when an input buffer moves
-    "plain": NO_COMMAND_BUFFERS,
-}
-
-sys.path.insert(0, str(Path(__file__).parent))  # trace_engine's trace summary
+sys.path.insert(0, str(Path(__file__).parent))  # the sibling scripts below
+from profile_single_step import VARIANTS  # noqa: E402  (XLA option sets: plain, graphs, dot_merge, ...)
 
 
 def traced_generate(llm: LLM, tokens: int) -> dict:
