@@ -4,7 +4,7 @@
 
 Measures the copy bandwidth (best of a jnp copy, a Pallas copy and torch if present) and the bf16
 matmul rate first, then decode attention (64 seqs x 4k context, Llama-3-8B heads), prefill attention
-(4k tokens), and int8/int4 weight matmuls at M = 1..64 with Llama-3-8B shapes, each next to the
+(4k tokens, with JAX's own Hopper flash attention on contiguous K/V beside it), and int8/int4 weight matmuls at M = 1..64 with Llama-3-8B shapes, each next to the
 XLA-compiled reference and JAX's bundled kernels where they exist. Every section is independent: a
 failing one is logged and the rest still run. Prints a table last and writes JSON to --out.
 
@@ -40,6 +40,7 @@ from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
 from pallas_kernels.ragged_paged_attention import reference as rpa_ref
 
 LLAMA_HEADS = dict(num_heads=32, kv_heads=8, head_dim=128)
+QWEN3_MOE_HEADS = dict(num_heads=32, kv_heads=4, head_dim=128)  # G = 8
 # The `heads` section: (G, H) layouts with 8 kv heads. G = 4, 8, 16 at H = 64/128/256 are shapes the
 # kernel took before it handled every G; G = 3 (SmolLM2) and H = 80/96 are new.
 HEAD_SWEEP_KV_HEADS = 8
@@ -47,7 +48,10 @@ HEAD_SWEEP_DECODE = [(g, h) for h in (64, 128, 256) for g in (3, 4, 8, 16)] + [
     (g, h) for h in (80, 96) for g in (3, 4)]
 HEAD_SWEEP_PREFILL = [(g, h) for h in (64, 128) for g in (3, 4)]
 # Tuning variants of our attention kernel timed beside the default (same run, same inputs).
-ATTENTION_VARIANTS = {"stages=2": dict(stages=2), "stages=3": dict(stages=3)}
+# `ours` is what the call takes by default: the warp-specialized prefill kernel for the 4k prefills, the
+# one-warpgroup kernel (whose depth the stages variants set) otherwise.
+ATTENTION_VARIANTS = {"one warpgroup": dict(warp_specialized=False), "stages=2": dict(stages=2),
+                      "stages=3": dict(stages=3)}
 LLAMA_MATMULS = {"qkv 4096x6144": (4096, 6144), "up 4096x14336": (4096, 14336),
                  "down 14336x4096": (14336, 4096)}
 
@@ -250,6 +254,26 @@ def bench_attention(res: Results, section, num_seqs, ctx, page_size, q_tokens_pe
     if not causal:
         res.run(section, "jax paged_attention",
                 lambda: _bench_bundled_paged(res, section, sets, page_size, measure))
+    elif num_seqs == 1:
+        res.run(section, "jax attention_mgpu", lambda: _bench_bundled_flash(res, section, sets, table, measure))
+
+
+def _bench_bundled_flash(res, section, sets, table, measure):
+    """JAX's own Hopper flash attention (jax.experimental.pallas.ops.gpu.attention_mgpu: two compute warpgroups
+    and a memory warpgroup per CTA, 128 query rows of one head) on the same prefill with K/V contiguous, as it
+    needs them: what a causal 4k prefill can take on this GPU in Pallas, beside our paged kernel."""
+    from jax.experimental.pallas.ops.gpu import attention_mgpu as fa
+
+    _, k_pages, v_pages, *_ = sets[0]
+    # float16: the bundled kernel's shared-memory tiles are float16 (same bytes and tensor-core rate as bf16).
+    contiguous = lambda pages: pages[table[0]].reshape(1, -1, *pages.shape[2:]).astype(jnp.float16)  # [1, ctx, K, H]
+    k, v = contiguous(k_pages), contiguous(v_pages)
+    for block_q, block_kv, steps in ((64, 64, 2), (64, 128, 2)):
+        config = fa.TuningConfig(block_q=block_q, block_kv=block_kv, max_concurrent_steps=steps, causal=True)
+        fn = jax.jit(lambda q, config=config: fa.attention(q[None], k, v, config)[0])
+        label = f"jax attention_mgpu bq={block_q} bkv={block_kv}"
+        res.run(section, label, lambda fn=fn, label=label: res.add(
+            section, label, time_fn(fn, [(s[0].astype(jnp.float16),) for s in sets]), **measure))
 
 
 def bench_head_layouts(res: Results):
@@ -352,6 +376,8 @@ def main():
             bench_attention(res, "decode 64x4k", 64, 4096, page_size, 1)
     if "prefill" in sections:
         bench_attention(res, "prefill 4k", 1, 4096, 64, 4096)
+        bench_attention(res, "prefill 4k", 1, 4096, 16, 4096)  # the engine's GPU page size
+        bench_attention(res, "prefill 4k, Qwen3-30B-A3B heads", 1, 4096, 16, 4096, heads=QWEN3_MOE_HEADS)
     if "kv8" in sections:
         bench_quantized_kv(res)
     if "heads" in sections:

@@ -7,7 +7,8 @@ engine's own bucket and compiled program), timed back to back and broken down by
 One JSON line per variant (the runner's own program, or the same forward compiled with other XLA options):
 the forward's time back to back (the device's, when the host keeps ahead), one lone call's wall time (what a
 first token waits for), the host's time to make a call, MFU against the active FLOPs (the bench's
-`prefill_mfu` count), and the kernels' total; the JSON adds the bench's kernel table (`kernel_profile`: classes
+`prefill_mfu` count), and the kernels' total; `sampler`, the step's sampler program over the forward's [S, V]
+logits (S follows `--max-num-seqs`); the JSON adds the bench's kernel table (`kernel_profile`: classes
 and the top kernels), and `generate_ms`, the bench's own end-to-end measurement (`measure.prefill_mfu`:
 LLM.generate to the first token, median of three prompts). The chunk rewrites the same KV pages on every call,
 which changes nothing the forward computes. `--trace-generate` traces that end-to-end measurement too (where its
@@ -68,11 +69,37 @@ def lone_call_ms(fn, repeats: int = 5) -> float:
     return sorted(times)[len(times) // 2] * 1e3
 
 
+def sampler_profile(engine, plan, tokens: int, calls: int) -> dict:
+    """The step's other program: the sampler over the forward's logits, [S, V] for S = the bucket's rows (the
+    engine's `max_num_seqs`, rounded up to a power of two, in a bucket this large), with the sampling arrays the
+    engine builds for this prompt. Back to back, device time; and the host's time to build and place them."""
+    runner = engine.runner
+    shape = engine.batch_shape(tokens)
+    t = time.perf_counter()
+    inputs = engine._sample_inputs(shape, plan.seqs, [0])
+    placed = runner.place((inputs.sampling, inputs.slots, inputs.sample_mask))
+    jax.block_until_ready(placed)
+    host_ms = (time.perf_counter() - t) * 1e3
+    branch_free = runner.takes_branch_free(inputs.sampling)
+    logits = runner.forward(runner.place(engine._pack(shape, plan.seqs))).logits
+
+    def run():
+        engine.penalties, out = runner.sample(engine.penalties, logits, *placed, branch_free=branch_free)
+        return out.tokens
+
+    per_call, _ = back_to_back(run, calls)
+    return {"rows": shape.seqs, "vocab": int(logits.shape[-1]), "branch_free": branch_free,
+            "ms_per_call": per_call * 1e3, "host_inputs_ms": host_ms,
+            "kernels": kernel_profile(lambda: [run() for _ in range(calls)], calls, top=15)}
+
+
 def profile(model: str, tokens: int, calls: int, memory_fraction: float, rate: float | None,
             trace: bool = False, hlo_path: str | None = None, variants: tuple[str, ...] = ("engine",),
             max_num_seqs: int = 16) -> dict:
     llm = LLM(model, random_weights=True, dtype="bfloat16", max_num_seqs=max_num_seqs, max_num_batched_tokens=tokens,
               max_model_len=tokens + 64, memory_fraction=memory_fraction, use_tqdm=False)
+    # Warmup leaves some builds to a background thread; its autotuning kernels would land in the timings below.
+    llm.wait_for_background_compile()
     engine, runner = llm.engine, llm.engine.runner
     (prompt,) = prompts(fixed(tokens, 1, 1), llm.model_config.vocab_size, seed=tokens)
     rid = engine.add_request(prompt, greedy(1))
@@ -109,6 +136,7 @@ def profile(model: str, tokens: int, calls: int, memory_fraction: float, rate: f
             # anonymous_mosaic_gpu_kernel; `--hlo` names the fusions.
             "kernels": kernel_profile(lambda run=run: [run() for _ in range(calls)], calls, top=40),
         }
+    result["sampler"] = sampler_profile(engine, plan, tokens, calls)
     engine.abort(rid)
     result["generate"] = prefill_mfu(llm, cost, tokens, rate or float("nan"))  # the bench's own measurement
     result["generate_ms"] = result["generate"]["prefill_s"] * 1e3
@@ -145,6 +173,8 @@ def main() -> None:
         figures = {k: (round(x, 3) if isinstance(x, float) else x) for k, x in v.items() if k != "kernels"}
         figures["kernel_ms"] = round(v["kernels"]["total_ms_per_call"], 3)
         print(json.dumps(head | figures), flush=True)
+    sampler = {k: (round(x, 3) if isinstance(x, float) else x) for k, x in row["sampler"].items() if k != "kernels"}
+    print(json.dumps({"model": row["model"], "max_num_seqs": row["max_num_seqs"], "sampler": sampler}), flush=True)
     out.write_text(json.dumps({"matmul_rate_tflops": rate / 1e12, "runs": runs}, indent=1) + "\n")
 
 

@@ -376,6 +376,42 @@ def test_gpu_kernel_in_interpret_mode_matches_reference(rng, name):
     assert not np.asarray(out[real:].astype(jnp.float32)).any()
 
 
+# The warp-specialized prefill kernel (gpu._prefill_kernel: two compute warpgroups and a memory warpgroup, kv
+# blocks of 128 positions two stages deep) in the interpreter: kv walks of three or more blocks (the memory
+# warpgroup refills released slots), blocks with and without masks, a decode row, G not dividing 64, a head dim
+# of 80, window, soft cap and padding. The interpreter also checks that every barrier phase is observed.
+WS_INTERPRET_CASES = {
+    "g4_h64_refill_fast_and_masked": Case(((40, 300), (1, 9), (23, 150)), num_heads=8, kv_heads=2, head_dim=64,
+                                          page_size=16, max_pages=20),
+    "g3_h80_window_softcap_padding": Case(((30, 200), (5, 5)), num_heads=6, kv_heads=2, head_dim=80, page_size=32,
+                                          max_pages=8, sliding_window=70, soft_cap=30.0, pad_tokens=3, pad_seqs=1),
+}
+
+
+@pytest.mark.parametrize("name", list(WS_INTERPRET_CASES))
+def test_gpu_prefill_kernel_in_interpret_mode_matches_reference(rng, name):
+    case = dataclasses.replace(WS_INTERPRET_CASES[name], dtype=jnp.bfloat16)
+    batch, kwargs = _build(rng, case)
+    from pallas_kernels.ragged_paged_attention import gpu
+    out = gpu.ragged_paged_attention(*batch.args(), **kwargs, warp_specialized=True, interpret=True)
+    want = reference.ragged_paged_attention(*batch.args(), **kwargs)
+    real = batch.num_real_tokens
+    assert relative_error(out[:real], want[:real].astype(jnp.float32)) < 2e-2
+    assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
+    assert not np.asarray(out[real:].astype(jnp.float32)).any()
+
+
+def test_gpu_prefill_kernel_takes_long_prefills_only():
+    from pallas_kernels.ragged_paged_attention import gpu
+    takes = gpu.takes_prefill_kernel
+    assert takes(4096, 16, 32, 8, 128, quantized=False)  # Llama-3-8B's 4k prefill: 128 pairs x 8 heads
+    assert takes(4096, 256, 32, 4, 128, quantized=False)  # Qwen3-30B-A3B's, in a 256-row bucket
+    assert not takes(256, 256, 32, 8, 128, quantized=False)  # a decode batch
+    assert not takes(512, 16, 32, 8, 128, quantized=False)  # too few pair tiles to fill the SMs without splits
+    assert not takes(4096, 16, 32, 8, 256, quantized=False)  # H = 256: the one-warpgroup kernel
+    assert not takes(4096, 16, 32, 8, 128, quantized=True)
+
+
 def _has_mosaic_gpu_bindings() -> bool:
     try:
         import jax._src.lib.mosaic_gpu  # noqa: F401
@@ -416,6 +452,28 @@ def test_gpu_kernel_lowers_for_cuda(group, head_dim, page_size, num_tokens, num_
                                    sliding_window=100))
     text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in text
+
+
+@pytest.mark.skipif(not _has_mosaic_gpu_bindings(),
+                    reason="needs the Mosaic GPU bindings (jax-cuda13-plugin) to lower for CUDA")
+@pytest.mark.parametrize("group,head_dim,page_size", [(1, 64, 16), (3, 80, 8), (4, 128, 16), (8, 128, 16),
+                                                     (5, 96, 128), (16, 64, 64)])
+@pytest.mark.parametrize("window", [None, 100])
+def test_gpu_prefill_kernel_lowers_for_cuda(group, head_dim, page_size, window):
+    """The warp-specialized prefill kernel through Mosaic GPU's lowering (as above), with and without the
+    window and soft cap's masks."""
+    import functools
+
+    from pallas_kernels.ragged_paged_attention import gpu
+    kv_heads, max_pages, num_seqs, num_tokens = 2, 4, 2, 512
+    spec = jax.ShapeDtypeStruct
+    pages = spec((num_seqs * max_pages + 1, page_size, kv_heads, head_dim), jnp.bfloat16)
+    args = (spec((num_tokens, group * kv_heads, head_dim), jnp.bfloat16), pages, pages,
+            spec((num_seqs,), jnp.int32), spec((num_seqs, max_pages), jnp.int32),
+            spec((num_seqs + 1,), jnp.int32), spec((1,), jnp.int32))
+    fn = jax.jit(functools.partial(gpu.ragged_paged_attention, sm_scale=0.1, sliding_window=window,
+                                   soft_cap=30.0 if window else None, warp_specialized=True))
+    assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
 # Ragged starts off the 8-row grid at every GQA ratio (the bug fixed in gpu.tile_queries), groups
@@ -462,6 +520,50 @@ def test_gpu_kernel_matches_reference(rng, name):
     real = batch.num_real_tokens
     assert relative_error(out[:real], want[:real].astype(jnp.float32)) < 2e-2
     assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
+
+
+# The prefill kernel on the GPU, forced (warp_specialized=True) on small ragged batches and taken by default
+# on a 4k-token prefill at Llama-3-8B's and Qwen3-30B-A3B's head layouts (the engine's page size, 16).
+WS_GPU_CASES = {
+    **WS_INTERPRET_CASES,
+    "g8_h128_ragged_starts": Case(((5, 5), (11, 300), (3, 3), (170, 400), (1, 7)), num_heads=16, kv_heads=2,
+                                  head_dim=128, page_size=16, max_pages=30),
+    "g1_h96_pages128": Case(((40, 300), (1, 130), (5, 5)), num_heads=2, kv_heads=2, head_dim=96, page_size=128,
+                            max_pages=3),
+    "g16_h64_softcap_window": Case(((60, 260), (1, 9)), num_heads=32, kv_heads=2, head_dim=64, page_size=64,
+                                   max_pages=5, soft_cap=20.0, sliding_window=100),
+    "g7_h128_pages8": Case(((33, 140), (2, 2)), num_heads=14, kv_heads=2, head_dim=128, page_size=8,
+                           max_pages=20, pad_tokens=4),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(WS_GPU_CASES))
+def test_gpu_prefill_kernel_matches_reference(rng, name):
+    case = dataclasses.replace(WS_GPU_CASES[name], dtype=jnp.bfloat16)
+    batch, kwargs = _build(rng, case)
+    from pallas_kernels.ragged_paged_attention import gpu
+    out = gpu.ragged_paged_attention(*batch.args(), **kwargs, warp_specialized=True)
+    want = reference.ragged_paged_attention(*batch.args(), **kwargs)
+    real = batch.num_real_tokens
+    assert relative_error(out[:real], want[:real].astype(jnp.float32)) < 2e-2
+    assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_heads,kv_heads", [(32, 8), (32, 4)])
+def test_gpu_long_prefill_takes_the_prefill_kernel_and_matches(rng, num_heads, kv_heads):
+    from pallas_kernels.ragged_paged_attention import gpu
+    case = Case(((4096, 4096),), num_heads=num_heads, kv_heads=kv_heads, head_dim=128, page_size=16,
+                max_pages=256, dtype=jnp.bfloat16)
+    batch, kwargs = _build(rng, case)
+    assert gpu.takes_prefill_kernel(4096, 1, num_heads, kv_heads, 128, quantized=False)
+    out = ragged_paged_attention(*batch.args(), **kwargs, impl="auto")
+    one_wg = gpu.ragged_paged_attention(*batch.args(), **kwargs, warp_specialized=False)
+    want = reference.ragged_paged_attention(*batch.args(), **kwargs)
+    assert relative_error(out, want.astype(jnp.float32)) < 2e-2
+    # The two kernels sum the same blocks in another order (128- vs 64-position steps): bf16 rounding apart.
+    assert relative_error(out, one_wg.astype(jnp.float32)) < 1e-2
 
 
 # A ragged prefill + decode batch (starts off the 8-row grid, kv over several 64-position steps,
