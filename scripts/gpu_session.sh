@@ -9,6 +9,8 @@
 #   kernels      gpu-marked kernel tests (attention, grouped matmul, quantized matmul, no-copy HLO), except:
 #   attn_groups  the attention kernel at every GQA group size 1..16 x head dims 64/80/96/128/256
 #   heads        attention kernel timing at every GQA group / head dim beside today's shapes
+#   attn_prefill the prefill attention kernel: its gpu-marked tests, then bench_kernels' prefill section (ours, the
+#                one-warpgroup kernel and JAX's attention_mgpu at Llama-3-8B and Qwen3-30B-A3B heads)
 #   gmm          grouped matmul vs ragged_dot at Qwen3-30B-A3B expert shapes
 #   gmm_tests    the gpu-marked grouped matmul tests alone
 #   pair_tests   the gpu-marked per-pair (gather_matmul) tests alone
@@ -85,6 +87,10 @@ for section in "$@"; do
         tests/engine/test_no_copies.py ;;
     attn_groups)
       run attn_groups 270 python3 -m pytest -q -m gpu --durations=10 -k every_group tests/pallas_kernels ;;
+    attn_prefill)
+      run attn_prefill_tests 200 python3 -m pytest -q -m gpu -k "prefill_kernel or long_prefill" \
+        tests/pallas_kernels/test_ragged_paged_attention.py
+      run attn_prefill 200 python3 scripts/bench_kernels.py --sections ceilings,prefill --out "$OUT/prefill_attention.json" ;;
     heads)
       run heads 400 python3 scripts/bench_kernels.py --sections ceilings,decode,heads --out "$OUT/bench_heads.json" ;;
     gmm)
