@@ -378,13 +378,16 @@ def test_gpu_kernel_in_interpret_mode_matches_reference(rng, name):
 
 # The warp-specialized prefill kernel (gpu._prefill_kernel: two compute warpgroups and a memory warpgroup, kv
 # blocks of 128 positions two stages deep) in the interpreter: kv walks of three or more blocks (the memory
-# warpgroup refills released slots), blocks with and without masks, a decode row, G not dividing 64, a head dim
-# of 80, window, soft cap and padding. The interpreter also checks that every barrier phase is observed.
+# warpgroup refills released slots), blocks with and without masks (with and without a soft cap), a decode row,
+# G not dividing 64, a head dim of 80, window and padding. The interpreter also checks that every barrier phase
+# is observed.
 WS_INTERPRET_CASES = {
     "g4_h64_refill_fast_and_masked": Case(((40, 300), (1, 9), (23, 150)), num_heads=8, kv_heads=2, head_dim=64,
                                           page_size=16, max_pages=20),
     "g3_h80_window_softcap_padding": Case(((30, 200), (5, 5)), num_heads=6, kv_heads=2, head_dim=80, page_size=32,
                                           max_pages=8, sliding_window=70, soft_cap=30.0, pad_tokens=3, pad_seqs=1),
+    "g2_h64_softcap_unmasked_blocks": Case(((20, 280),), num_heads=4, kv_heads=2, head_dim=64, page_size=16,
+                                           max_pages=18, soft_cap=20.0),
 }
 
 
