@@ -27,6 +27,10 @@ Work decomposition (docs/KERNELS.md has the reasoning and the measured numbers):
   every step's critical path.
 * One warpgroup per CTA: QK^T and PV are wgmma, the online softmax runs in registers in the WGMMA
   layout, exponentials in base 2 with log2(e) folded into the scale.
+* Long prefill batches (`takes_prefill_kernel`) take `_prefill_kernel` instead: a CTA holds two
+  consecutive 64-row tiles of one sequence, one per compute warpgroup, over shared 128-position kv
+  blocks that a third warpgroup copies in; the two compute warpgroups alternate on the tensor cores
+  (its docstring and docs/KERNELS.md have the details).
 * Head dims that are not a multiple of 64 (80, 96) keep their true width everywhere: the shared
   memory tiles use the widest swizzle that divides a row (`H * 2` bytes: 128 B for 64/128/192/256,
   64 B for 96, 32 B for 80), which wgmma and the TMA both accept. Nothing is padded, so the TMA boxes
@@ -377,7 +381,7 @@ def _prefill_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  # i
                 # The scale rides on the exponent's argument: one fused multiply-add per logit.
                 m_new = jnp.maximum(m_i, logits.max(axis=1) * log2_scale)
                 p = jnp.exp2(logits * log2_scale - jax.lax.broadcast_in_dim(m_new, logits.shape, [0]))
-                return _finish_step(acc, m_i, l_i, m_new, p, step, slot)
+                return finish_step(acc, m_i, l_i, m_new, p, step, slot)
             if soft_cap is not None:
                 logits = soft_cap * jnp.tanh(logits * (sm_scale / soft_cap)) * _LOG2E
             else:
@@ -399,9 +403,9 @@ def _prefill_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  # i
             p = jnp.exp2(logits - jax.lax.broadcast_in_dim(m_new, logits.shape, [0]))
             if masked:
                 p = jnp.where(mask, p, 0.0)
-            return _finish_step(acc, m_i, l_i, m_new, p, step, slot)
+            return finish_step(acc, m_i, l_i, m_new, p, step, slot)
 
-        def _finish_step(acc, m_i, l_i, m_new, p, step, slot):
+        def finish_step(acc, m_i, l_i, m_new, p, step, slot):
             """The online softmax's rescale, then P @ V on this warpgroup's turn; the next K block's barrier is
             waited for while that wgmma runs."""
             alpha = jnp.exp2(m_i - m_new)
@@ -413,6 +417,7 @@ def _prefill_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  # i
             plgpu.barrier_arrive(schedule)
             plgpu.barrier_wait(v_barriers.at[slot])
             plgpu.barrier_wait(schedule)
+
             def wait_next_k():
                 pl.when(step + 1 < steps)(
                     lambda: plgpu.barrier_wait(k_barriers.at[jax.lax.rem(step + 1, stages)]))
@@ -425,7 +430,7 @@ def _prefill_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  # i
         m_i = plgpu.layout_cast(jnp.full((_ROWS,), _MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l_i = plgpu.layout_cast(jnp.zeros((_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         log2_scale = sm_scale * _LOG2E
-        pl.when(steps > 0)(lambda: plgpu.barrier_wait(k_barriers.at[0]))  # later K blocks: see _finish_step
+        pl.when(steps > 0)(lambda: plgpu.barrier_wait(k_barriers.at[0]))  # later K blocks: see finish_step
         pl.when(wg == 1)(rendezvous)  # offset the two warpgroups by one turn
         carry = jax.lax.fori_loop(0, full_hi - kb_lo, functools.partial(kv_step, masked=False), (acc, m_i, l_i))
         acc, m_i, l_i = jax.lax.fori_loop(full_hi - kb_lo, steps, functools.partial(kv_step, masked=True), carry)
