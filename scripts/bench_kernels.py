@@ -4,8 +4,9 @@
 
 Measures the copy bandwidth (best of a jnp copy, a Pallas copy and torch if present) and the bf16
 matmul rate first, then decode attention (64 seqs x 4k context, Llama-3-8B heads), prefill attention
-(4k tokens, with JAX's own Hopper flash attention on contiguous K/V beside it), and int8/int4 weight matmuls at M = 1..64 with Llama-3-8B shapes, each next to the
-XLA-compiled reference and JAX's bundled kernels where they exist. Every section is independent: a
+(4k tokens; Llama-3-8B and Qwen3-30B-A3B heads), and int8/int4 weight matmuls at M = 1..64 with
+Llama-3-8B shapes, each next to the XLA-compiled reference and JAX's bundled kernels where they exist
+(for prefill, JAX's Hopper flash attention on contiguous K/V). Every section is independent: a
 failing one is logged and the rest still run. Prints a table last and writes JSON to --out.
 
 `--sections ceilings,kv8` times decode attention (64 x 4k, 32-token pages) over a bf16, an int8 and an e4m3
