@@ -618,7 +618,8 @@ def takes_prefill_kernel(num_tokens: int, num_slots: int, num_heads: int, kv_hea
 
 def _prefill_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                        sliding_window, soft_cap, interpret):
-    """`_prefill_kernel` over the call's pair tiles: [K, 2W, 64, H] output tiles and the pair tiles' base."""
+    """`_prefill_kernel` over the call's pair tiles: [K, 2W, 64, H] output tiles and the sequences' first 64-row
+    tiles."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     num_tokens, num_heads, head_dim = q.shape
@@ -689,6 +690,34 @@ def ragged_paged_attention(
     (default_stages) of the one-warpgroup kernel. `warp_specialized` picks the prefill kernel (True) or the
     one-warpgroup kernel (False); None: `takes_prefill_kernel` decides.
     """
+    num_tokens, num_heads, head_dim = q.shape
+    kv_heads = k_pages.shape[2]
+    quantized = isinstance(k_pages, QuantizedPages)
+    _check_supported(q, k_pages)
+    if warp_specialized is None:
+        warp_specialized = num_splits is None and stages is None and takes_prefill_kernel(
+            num_tokens, page_indices.shape[0], num_heads, kv_heads, head_dim, quantized)
+    if warp_specialized and (quantized or head_dim > _PREFILL_MAX_HEAD_DIM):
+        raise NotImplementedError(
+            f"the prefill kernel takes a 16-bit cache and head dims up to {_PREFILL_MAX_HEAD_DIM}, got "
+            f"{'a quantized cache' if quantized else f'head dim {head_dim}'}")
+    args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
+    knobs = dict(sm_scale=sm_scale * (k_scale or 1.0), sliding_window=sliding_window, soft_cap=soft_cap,
+                 interpret=interpret)
+    if warp_specialized:
+        o_tiles, tile_base = _prefill_attention(*args, **knobs)
+    else:
+        o_tiles, tile_base = _one_warpgroup_attention(*args, **knobs, num_splits=num_splits, stages=stages)
+    out = _gather_rows(o_tiles, cu_q_lens, num_seqs, tile_base, num_tokens, num_heads // kv_heads)
+    if v_scale is not None:
+        out = out.astype(jnp.float32) * v_scale
+    return out.astype(q.dtype)
+
+
+def _one_warpgroup_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                             sliding_window, soft_cap, interpret, num_splits, stages):
+    """`_attention_kernel` over the call's 64-row tiles, splits merged: [K, W, 64, H] output tiles and the
+    sequences' first tiles."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     num_tokens, num_heads, head_dim = q.shape
@@ -696,22 +725,6 @@ def ragged_paged_attention(
     quantized = isinstance(k_pages, QuantizedPages)
     num_slots, max_pages = page_indices.shape
     group = num_heads // kv_heads
-    _check_supported(q, k_pages)
-    if warp_specialized is None:
-        warp_specialized = num_splits is None and stages is None and takes_prefill_kernel(
-            num_tokens, num_slots, num_heads, kv_heads, head_dim, quantized)
-    if warp_specialized:
-        if quantized or head_dim > _PREFILL_MAX_HEAD_DIM:
-            raise NotImplementedError(
-                f"the prefill kernel takes a 16-bit cache and head dims up to {_PREFILL_MAX_HEAD_DIM}, got "
-                f"{'a quantized cache' if quantized else f'head dim {head_dim}'}")
-        o_tiles, tile_base = _prefill_attention(
-            q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, sm_scale=sm_scale * (k_scale or 1.0),
-            sliding_window=sliding_window, soft_cap=soft_cap, interpret=interpret)
-        out = _gather_rows(o_tiles, cu_q_lens, num_seqs, tile_base, num_tokens, group)
-        if v_scale is not None:
-            out = out.astype(jnp.float32) * v_scale
-        return out.astype(q.dtype)
     tokens_per_tile, _ = tile_rows(group)
     block_kv = max(64, page_size)
     max_tiles = num_tokens // tokens_per_tile + num_slots
@@ -721,7 +734,7 @@ def ragged_paged_attention(
     q_tiles = tile_queries(q, tile_tok0, group, kv_heads)  # [W, K, 64, H]
 
     kernel = functools.partial(
-        _attention_kernel, sm_scale=sm_scale * (k_scale or 1.0), sliding_window=sliding_window,
+        _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window,
         soft_cap=soft_cap, group=group, max_pages=max_pages, num_splits=num_splits,
         interpret=interpret, quantized=quantized)
     qt = _smem_transforms(q.dtype, head_dim)
@@ -759,11 +772,7 @@ def ragged_paged_attention(
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(kv_lens.astype(jnp.int32), page_indices.reshape(-1).astype(jnp.int32),
       cu_q_lens.astype(jnp.int32), tile_seq, tile_tok0, q_tiles, *kv_args)
-    o_tiles = _combine_splits(o_parts, lse_parts)  # [K, W, 64, H]
-    out = _gather_rows(o_tiles, cu_q_lens, num_seqs, tile_base, num_tokens, group)
-    if v_scale is not None:
-        out = out.astype(jnp.float32) * v_scale
-    return out.astype(q.dtype)
+    return _combine_splits(o_parts, lse_parts), tile_base  # [K, W, 64, H]
 
 
 def supported_config(q: jax.Array, k_pages: jax.Array) -> bool:
