@@ -18,6 +18,8 @@
 #   gmm_quick    gmm with the tuned tilings only, bf16 and int8 weights (a first look that fits beside the tests)
 #   gmm_prefill  gmm at the 4k-token prefill shape, bf16, with every tiling variant (rows vs rows_ws)
 #   moe_block    one Qwen3-30B-A3B MoE layer at the engine's decode and prefill shapes: time, kernels, glue
+#   swiglu       the fused per-pair SwiGLU kernel: its gpu-marked tests (and gather_matmul's), then one MoE layer
+#                at the decode buckets with it (engine), without it (pairs3) and at other tilings
 #   describe     llm.describe() of Llama-3-8B shape on one GPU (per-device weight/KV bytes, collectives)
 #   bench_tp1    the run of record's command (Llama-3-8B, bf16): TP=1 figures to hold within 3% of latest.json
 #   moe          Qwen3-30B-A3B shape on one GPU: decode MBU, 1000/1000, prefill MFU
@@ -59,6 +61,7 @@
 #                under compiler options SS_VARIANTS (engine: as the engine compiles each bucket): step, device and host launch time: $OUT/single_step.json
 #   ab_b1        batch-1 decode (end to end and device only) of .ab_old (a git worktree, carried) and this tree,
 #                alternating twice: $OUT/ab_b1.jsonl
+#   ab_moe_b1    ab_b1 for Qwen3-30B-A3B (one run of each tree): $OUT/ab_moe_b1.jsonl
 #   ab_grid      issue 12's TP=1 bar: the run of record's fixed grids and decode at batch 1 through the public
 #                API, the 11-22 tree (.ab_old, a git worktree of 014cf88, carried) then this one
 #                (scripts/ab_prefill.py --workload grid); JSON lines in $OUT/ab_grid.jsonl
@@ -109,6 +112,10 @@ for section in "$@"; do
         --out "$OUT/gmm_prefill.json" ;;
     moe_block)
       run moe_block 200 python3 scripts/profile_moe_block.py --out "$OUT/moe_block.json" ;;
+    swiglu)
+      run swiglu_tests 240 python3 -m pytest -q -m gpu -k "swiglu or gather" tests/pallas_kernels/test_grouped_matmul.py
+      run swiglu_block 300 python3 scripts/profile_moe_block.py --cases 2:1,16:1,16:8 --out "$OUT/moe_block_swiglu.json" \
+        --impls engine,pairs3,engine:128x64x128x3,engine:64x64x128x5,engine:64x128x256x2 ;;
     describe)
       run describe 300 python3 -c 'from jaxinfer import LLM; from jaxinfer.describe import format_description as f
 llm = LLM("llama-3-8b", random_weights=True, dtype="bfloat16", max_num_seqs=64, max_model_len=2048, decode_steps_per_call=8, use_tqdm=False)
@@ -200,6 +207,9 @@ print(f(llm.describe()))' ;;
     ab_b1)
       run ab_b1 590 python3 scripts/ab_bench.py --trees .ab_old . --repeats 2 --out "$OUT/ab_b1.jsonl" -- \
         --hf skip --memory-fraction 0.85 --sections decode decode_device --decode-batches 1 ;;
+    ab_moe_b1)
+      run ab_moe_b1 590 python3 scripts/ab_bench.py --trees .ab_old . --repeats 1 --out "$OUT/ab_moe_b1.jsonl" -- \
+        --model qwen3-30b-a3b --hf skip --memory-fraction 0.85 --sections decode decode_device --decode-batches 1 ;;
     spec_test)
       JAXINFER_SMOLLM2_GGUF=/tmp/smollm2.gguf run spec_test 300 python3 -m pytest -q -m gpu tests/test_bench_spec.py ;;
     *) echo "unknown section $section" ;;

@@ -10,7 +10,9 @@ routed nowhere), a prefill chunk is all real. `--layers` distinct layers run bac
 program, as in a forward pass, so the figures include the gaps between kernels.
 
 For each case and expert implementation (`engine`: as the runner builds it, with the per-pair path for
-decode steps on a GPU; `grouped`: our grouped matmul at every step; `ragged_dot`: XLA's) it reports:
+decode steps on a GPU, its experts one fused SwiGLU kernel; `pairs3`: that path with three `gather_matmul`
+launches instead, the engine before the fused kernel; `grouped`: our grouped matmul at every step;
+`ragged_dot`: XLA's) it reports:
 - `us_per_layer`: wall time of the program over the layer count (median of batches of calls);
 - `device_us_per_layer`: the device kernels' summed time per layer (from a profiler trace);
 - `kernels_per_layer` and the kernels by device time, so the wrapper ops beside the grouped matmul show;
@@ -21,6 +23,7 @@ Prints a table last and writes JSON to --out.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -34,13 +37,14 @@ import numpy as np
 from bench_kernels import time_fn
 from jaxinfer.bench.measure import device_events
 from jaxinfer.models import moe
-from pallas_kernels.grouped_matmul import gather_matmul, grouped_matmul
+from pallas_kernels.grouped_matmul import gather_matmul, grouped_matmul, swiglu_pairs
 from pallas_kernels.grouped_matmul import gpu as gmm_gpu
+from pallas_kernels.grouped_matmul import gpu_swiglu as gmm_swiglu
 
 QWEN3 = dict(experts=128, top_k=8, hidden=2048, ffn=768)
 SMOKE = dict(experts=8, top_k=2, hidden=128, ffn=64)
-# (token bucket, real tokens): decode at batch 1, 8, 64 and a 4k prefill chunk.
-CASES = ((16, 1), (16, 8), (64, 64), (4096, 4096))
+# (token bucket, real tokens): decode at batch 1 (a GPU's smallest bucket is 2 rows), 8, 64 and a 4k prefill chunk.
+CASES = ((2, 1), (16, 1), (16, 8), (64, 64), (4096, 4096))
 SMOKE_CASES = ((16, 1), (32, 32))
 
 
@@ -98,11 +102,16 @@ def active_expert_bytes(shape, tokens, dtype):
 
 
 def run_case(bucket, real, impl, shape, layers, dtype, sets, bw):
-    expert_matmul, pair_kernel = jax.lax.ragged_dot, None
+    expert_matmul, pair_kernel, name = jax.lax.ragged_dot, None, impl
+    impl, _, tiles = impl.partition(":")  # engine:FxKxDxSTAGES times the fused kernel at another tiling
+    tiling = gmm_swiglu.SwigluTiling(*map(int, tiles.split("x"))) if tiles else None
     if impl in ("engine", "grouped"):
         expert_matmul = functools.partial(grouped_matmul, impl="auto")
-    if impl == "engine" and jax.default_backend() == "gpu":  # what the runner builds on a GPU
+    if impl in ("engine", "pairs3") and jax.default_backend() == "gpu":  # what the runner builds on a GPU
         pair_kernel = moe.PairKernel(functools.partial(gather_matmul, impl="pallas_gpu"), gmm_gpu.supported)
+        if impl == "engine":
+            fused = functools.partial(swiglu_pairs, impl="pallas_gpu", tiling=tiling)
+            pair_kernel = dataclasses.replace(pair_kernel, swiglu=fused, swiglu_takes=gmm_swiglu.supported)
     program = make_program(layers, shape["top_k"], real, expert_matmul, pair_kernel)
     xs = [jax.random.normal(jax.random.key(100 + i), (bucket, shape["hidden"]), jnp.float32).astype(dtype)
           for i in range(len(sets))]
@@ -121,7 +130,7 @@ def run_case(bucket, real, impl, shape, layers, dtype, sets, bw):
     device_us = sum(per_name.values()) / layers
     ranked = sorted(per_name.items(), key=lambda kv: -kv[1])
     ideal = active_expert_bytes(shape, real, dtype) / bw * 1e6
-    return dict(bucket=bucket, real=real, impl=impl, layers=layers,
+    return dict(bucket=bucket, real=real, impl=name, layers=layers,
                 us_per_layer=statistics.median(times) / layers * 1e6, device_us_per_layer=device_us,
                 kernels_per_layer=kernels / layers, ideal_us=ideal,
                 top=[dict(name=n[:100], us_per_layer=us / layers) for n, us in ranked[:25]])
@@ -131,8 +140,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="moe_block.json")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--impls", default="engine,grouped,ragged_dot",
-                        help="engine: as the runner builds it (the per-pair path for decode steps on a GPU); "
+    parser.add_argument("--impls", default="engine,pairs3,grouped,ragged_dot",
+                        help="engine: as the runner builds it (the per-pair path for decode steps on a GPU, fused); "
+                             "engine:FxKxDxSTAGES: the fused kernel at that SwigluTiling; "
+                             "pairs3: the per-pair path with three gather_matmul launches; "
                              "grouped: the grouped matmul at every step; ragged_dot: XLA's")
     parser.add_argument("--cases", default="", help="bucket:real pairs, comma-separated (default: the engine's)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, any backend")
@@ -162,13 +173,13 @@ def main(argv=None):
         for t in row["top"][:15]:
             print(f"  {t['us_per_layer']:8.1f}  {t['name']}")
     print(f"\ncopy {bw / 1e9:,.0f} GB/s")
-    print(f"{'case':24} {'impl':11} {'us/layer':>9} {'device us':>10} {'kernels':>8} {'ideal us':>9}")
+    print(f"{'case':24} {'impl':18} {'us/layer':>9} {'device us':>10} {'kernels':>8} {'ideal us':>9}")
     for row in rows:
         name = f"T={row['bucket']} real={row['real']}"
         if "error" in row:
-            print(f"{name:24} {row['impl']:11} error: {row['error'][:80]}")
+            print(f"{name:24} {row['impl']:18} error: {row['error'][:80]}")
             continue
-        print(f"{name:24} {row['impl']:11} {row['us_per_layer']:9.1f} {row['device_us_per_layer']:10.1f} "
+        print(f"{name:24} {row['impl']:18} {row['us_per_layer']:9.1f} {row['device_us_per_layer']:10.1f} "
               f"{row['kernels_per_layer']:8.1f} {row['ideal_us']:9.1f}")
     return 0 if all("error" not in r for r in rows) else 1
 

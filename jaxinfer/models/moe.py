@@ -3,7 +3,8 @@
 One MoE layer, for the T tokens of a step (letters: docs/ARCHITECTURE.md; k = experts per token):
 
 1. route: router logits in float32 (bf16 logits flip near-equal experts), softmax over all E experts, top-k,
-   optionally renormalized so the k weights sum to 1 (`norm_topk_prob`; Mixtral always does);
+   optionally renormalized so the k weights sum to 1 (`norm_topk_prob`; Mixtral always does; computed as the
+   top-k logits and a softmax over those, which is the same thing);
 2. dispatch: the T*k (token, expert) pairs sorted by expert, so each expert's rows are consecutive, and the
    token rows gathered in that order [T*k, D];
 3. experts: SwiGLU as three grouped matmuls over those rows, `expert_matmul(lhs [M, D], rhs [E, D, F],
@@ -12,7 +13,9 @@ One MoE layer, for the T tokens of a step (letters: docs/ARCHITECTURE.md; k = ex
 
 Steps of at most PAIR_PATH_MAX_PAIRS pairs (decode) skip 2 and the un-permute of 4 when a `PairKernel` is
 given (the GPU's `gather_matmul`): each pair reads its token's row and its expert's weights in place, so the
-step runs the three expert matmuls and a few elementwise ops instead of a sort, scatters and gathers.
+step runs the three expert matmuls and a few elementwise ops instead of a sort, scatters and gathers. Where
+the kernel has a fused form (`PairKernel.swiglu`, the GPU's `swiglu_pairs` for 16-bit weights), the three
+matmuls and the SwiGLU between them are one launch that returns partial sums, and the combine adds them up.
 
 Dropless: every pair is computed, no capacity factor, so results never depend on what else is in the
 batch. Shapes are static (T*k rows whatever the routing); only the group sizes vary, so nothing recompiles.
@@ -57,6 +60,11 @@ class PairKernel:
     matmul: Callable[[jax.Array, Any, jax.Array, jax.Array], jax.Array]
     # (lhs, rhs) -> whether the kernel takes such operands (dtype, tile multiples); if not, the grouped path runs.
     takes: Callable[[jax.Array, Any], bool]
+    # The fused form, or None: (x [T, D], w_gate, w_up, w_down, rows [P], experts [P]) -> [S, P, D] float32
+    # partial sums of each pair's whole SwiGLU expert (rows of pairs outside [0, E) unwritten), taken where
+    # swiglu_takes(x, w_gate, w_up, w_down); otherwise `matmul` runs three times.
+    swiglu: Callable[..., jax.Array] | None = None
+    swiglu_takes: Callable[..., bool] = lambda *operands: False
 
 
 # Steps of at most this many (token, slot) pairs take the per-pair path when a PairKernel takes them: a decode
@@ -94,10 +102,14 @@ def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> 
     # Products of 16-bit values are exact in float32, so 16-bit operands summed in float32 give the float32
     # logits without a float32 copy of x and the router (a 4k-token prefill read twice the bytes that way).
     logits = jnp.einsum("td,de->te", x, router.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, E]
-    probs = jax.nn.softmax(logits, axis=-1)
-    weights, experts = jax.lax.top_k(probs, top_k)  # [T, k] each; ties go to the lower expert id
     if norm_topk_prob:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        # The softmax over all E experts is monotone and its denominator cancels in the renormalization, so
+        # the k best logits and a softmax over just those give the same experts and weights, without a
+        # softmax kernel over [T, E] in every layer of every decode step.
+        top, experts = jax.lax.top_k(logits, top_k)  # [T, k] each; ties go to the lower expert id
+        weights = jax.nn.softmax(top, axis=-1)
+    else:
+        weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)  # [T, k]
     return Routing(weights=weights, experts=experts.astype(jnp.int32))
 
 
@@ -151,7 +163,12 @@ def moe_partial(
     group_sizes = jnp.zeros((e_local,), jnp.int32).at[ids].add(1, mode="drop")  # [E_local]
     weights = jnp.where(mine, routing.weights, 0.0)  # [T, k]
     if _pair_path(pair_kernel, x, w, t * top_k):
-        ys = swiglu_pairs(x, w, jnp.where(mine, local, -1).reshape(-1), pair_kernel.matmul)  # [T*k, D], pair order
+        pair_experts = jnp.where(mine, local, -1).reshape(-1)  # [T*k]
+        if pair_kernel.swiglu is not None and pair_kernel.swiglu_takes(x, w.w_gate, w.w_up, w.w_down):
+            token_rows = jnp.arange(t * top_k, dtype=jnp.int32) // top_k  # [T*k]: pair p is token p // k
+            parts = pair_kernel.swiglu(x, w.w_gate, w.w_up, w.w_down, token_rows, pair_experts)  # [S, T*k, D]
+            return _combine_parts(parts.reshape(-1, t, top_k, d), mine, weights), group_sizes
+        ys = swiglu_pairs(x, w, pair_experts, pair_kernel.matmul)  # [T*k, D], pair order
         return _combine(ys.reshape(t, top_k, d).swapaxes(0, 1), mine, weights), group_sizes  # [k, T, D] by slot
     order = jnp.argsort(ids, stable=True)  # [T*k] pair index of each sorted row; foreign pairs last
     xs = jnp.take(x, order // top_k, axis=0)  # [T*k, D], pair p belongs to token p // k
@@ -191,6 +208,14 @@ def _combine(slot_rows, mine: jax.Array, weights: jax.Array) -> jax.Array:
         row = jnp.where(mine[:, slot, None], row, 0.0)
         out = row if out is None else out + row
     return out
+
+
+def _combine_parts(parts: jax.Array, mine: jax.Array, weights: jax.Array) -> jax.Array:
+    """parts [S, T, k, D] float32 partial sums of each (token, slot) pair's expert output -> sum over the S
+    partials and the k slots, weighted, over the pairs that are `mine`: float32 [T, D]. One reduction, so XLA
+    makes it one kernel; `where`, not the zero weight alone, because rows of other pairs are unwritten."""
+    terms = jnp.where(mine[None, :, :, None], parts * weights[None, :, :, None], 0.0)  # [S, T, k, D]
+    return jnp.sum(terms, axis=(0, 2))  # [T, D]
 
 
 def moe_block(

@@ -142,3 +142,16 @@ def gather_matmul(lhs: jax.Array, rhs, rows: jax.Array, experts: jax.Array, *,
     wp = jnp.take(w, jnp.where(live, experts, 0), axis=0)  # [P, K, N]
     out = jnp.einsum("pk,pkn->pn", x, wp, precision=jax.lax.Precision.HIGHEST)  # [P, N]
     return jnp.where(live[:, None], out, 0).astype(output_dtype(lhs, preferred_element_type))
+
+
+def swiglu_pairs(lhs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, rows: jax.Array,
+                 experts: jax.Array) -> jax.Array:
+    """The specification of the fused per-pair SwiGLU: for each pair p with e = experts[p] in [0, G),
+    silu(lhs[rows[p]] @ w_gate[e]) * (lhs[rows[p]] @ w_up[e]) @ w_down[e], in float32, zeros for the other
+    pairs; returned as a single partial sum [1, P, D] (the kernel's form: sum over the first axis)."""
+    f32 = jnp.float32
+    gate = gather_matmul(lhs, w_gate, rows, experts, preferred_element_type=f32)  # [P, F]
+    up = gather_matmul(lhs, w_up, rows, experts, preferred_element_type=f32)  # [P, F]
+    hidden = jax.nn.silu(gate) * up  # [P, F]
+    pairs = jnp.arange(rows.shape[0], dtype=jnp.int32)
+    return gather_matmul(hidden, w_down, pairs, experts, preferred_element_type=f32)[None]  # [1, P, D]

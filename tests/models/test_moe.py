@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -22,10 +24,13 @@ def random_moe(seed: int, router_scale: float = 3.0) -> tuple[np.ndarray, MoEWei
 
 
 @pytest.mark.parametrize("renorm", [True, False])
-def test_routing_matches_softmax_top_k(renorm: bool) -> None:
+@pytest.mark.parametrize("top_k", [2, 5])
+def test_routing_matches_softmax_top_k(renorm: bool, top_k: int) -> None:
+    """Softmax over all experts, top-k, renormalized (HF's order; with renorm the block takes the top-k logits
+    and a softmax over those, which must agree)."""
     x, w = random_moe(0)
-    got = route(jnp.asarray(x), w.router, 2, renorm)
-    want_w, want_e = reference_routing(x, w.router, 2, renorm)
+    got = route(jnp.asarray(x), w.router, top_k, renorm)
+    want_w, want_e = reference_routing(x, w.router, top_k, renorm)
     np.testing.assert_array_equal(np.asarray(got.experts), want_e)
     np.testing.assert_allclose(np.asarray(got.weights), want_w, rtol=1e-5)
     assert got.weights.dtype == jnp.float32
@@ -119,15 +124,25 @@ def test_bfloat16_activations_route_in_float32() -> None:
     assert np.linalg.norm(np.asarray(out, np.float32) - ref) / np.linalg.norm(ref) < 2e-2
 
 
-def _pair_kernel(takes=lambda lhs, rhs: True, calls=None):
-    """The reference per-pair matmul as a PairKernel (records its calls' pair counts)."""
-    from pallas_kernels.grouped_matmul import gather_matmul
+def _pair_kernel(takes=lambda lhs, rhs: True, calls=None, fused=False):
+    """The reference per-pair matmul as a PairKernel (records its calls' pair counts); fused: with the
+    reference fused SwiGLU too, its calls recorded as ("swiglu", pairs)."""
+    from pallas_kernels.grouped_matmul import gather_matmul, swiglu_pairs
 
     def matmul(lhs, rhs, rows, experts):
         if calls is not None:
             calls.append(rows.shape[0])
         return gather_matmul(lhs, rhs, rows, experts, impl="reference")
-    return PairKernel(matmul, takes)
+
+    def swiglu(x, w_gate, w_up, w_down, rows, experts):
+        if calls is not None:
+            calls.append(("swiglu", rows.shape[0]))
+        parts = swiglu_pairs(x, w_gate, w_up, w_down, rows, experts, impl="reference")  # [1, P, D]
+        # Two partial sums with garbage in the skipped pairs' rows, as the GPU kernel leaves them.
+        skipped = ((experts < 0) | (experts >= w_gate.shape[0]))[None, :, None]
+        halves = jnp.concatenate([parts / 2, parts / 2])  # [2, P, D]
+        return jnp.where(skipped, jnp.nan, halves)
+    return PairKernel(matmul, takes, swiglu=swiglu if fused else None, swiglu_takes=lambda *a: fused)
 
 
 @pytest.mark.parametrize("top_k, renorm", [(2, True), (3, False)])
@@ -146,6 +161,22 @@ def test_pair_path_equals_the_grouped_path(top_k: int, renorm: bool) -> None:
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(ref_counts))
 
 
+@pytest.mark.parametrize("top_k, renorm", [(2, True), (3, False)])
+def test_fused_pair_path_equals_the_grouped_path(top_k: int, renorm: bool) -> None:
+    """With a fused SwiGLU form the pair path makes one call of it instead of three matmuls, sums its
+    partials and never lets the unwritten rows of skipped pairs (padding tokens) through."""
+    x, w = random_moe(7)
+    valid = jnp.arange(T) < 10
+    calls = []
+    ours, counts = moe_block(jnp.asarray(x), w, top_k=top_k, norm_topk_prob=renorm, valid=valid,
+                             pair_kernel=_pair_kernel(calls=calls, fused=True))
+    ref, ref_counts = moe_block(jnp.asarray(x), w, top_k=top_k, norm_topk_prob=renorm, valid=valid)
+    assert calls == [("swiglu", T * top_k)]
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-6)
+    np.testing.assert_array_equal(np.asarray(ours)[10:], 0.0)
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(ref_counts))
+
+
 def test_pair_path_only_for_small_steps_and_operands_it_takes() -> None:
     """Over PAIR_PATH_MAX_PAIRS pairs, or operands the kernel does not take, the grouped path runs."""
     x, w = random_moe(8)
@@ -159,9 +190,11 @@ def test_pair_path_only_for_small_steps_and_operands_it_takes() -> None:
 
 def test_pair_path_with_the_gpu_kernel_in_interpret_mode() -> None:
     """The engine's GPU pair kernel (Mosaic GPU interpreter on CPU) at a bf16 decode step: 16 token rows of
-    which 3 are real, top-4 of 8 experts, D and F on the kernel's 64 grid."""
-    from pallas_kernels.grouped_matmul import gather_matmul
+    which 3 are real, top-4 of 8 experts, D and F on the kernel's 64 grid; the three-launch form and the fused
+    SwiGLU kernel."""
+    from pallas_kernels.grouped_matmul import gather_matmul, swiglu_pairs
     from pallas_kernels.grouped_matmul import gpu as gmm_gpu
+    from pallas_kernels.grouped_matmul import gpu_swiglu as gmm_swiglu
 
     r = np.random.default_rng(9)
     d, f, e, t = 128, 64, 8, 16
@@ -171,9 +204,13 @@ def test_pair_path_with_the_gpu_kernel_in_interpret_mode() -> None:
     w = jax.tree.map(lambda a: a.astype(jnp.bfloat16), w)
     x = n(t, d).astype(jnp.bfloat16)
     valid = jnp.arange(t) < 3
-    kernel = PairKernel(lambda *a: gather_matmul(*a, impl="pallas_gpu", interpret=True), gmm_gpu.supported)
-    ours, _ = moe_block(x, w, top_k=4, norm_topk_prob=True, valid=valid, pair_kernel=kernel)
     ref, _ = moe_block(x, w, top_k=4, norm_topk_prob=True, valid=valid)
-    ours, ref = np.asarray(ours, np.float32), np.asarray(ref, np.float32)
-    assert np.isfinite(ours).all() and not ours[3:].any()
-    assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1e-2
+    ref = np.asarray(ref, np.float32)
+    three = PairKernel(lambda *a: gather_matmul(*a, impl="pallas_gpu", interpret=True), gmm_gpu.supported)
+    fused = dataclasses.replace(three, swiglu=lambda *a: swiglu_pairs(*a, impl="pallas_gpu", interpret=True),
+                                swiglu_takes=gmm_swiglu.supported)  # as the runner builds it on a GPU
+    for kernel in (three, fused):
+        ours, _ = moe_block(x, w, top_k=4, norm_topk_prob=True, valid=valid, pair_kernel=kernel)
+        ours = np.asarray(ours, np.float32)
+        assert np.isfinite(ours).all() and not ours[3:].any()
+        assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1e-2

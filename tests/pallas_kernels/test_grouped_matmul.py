@@ -16,8 +16,8 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.grouped_matmul import (GpuTiling, QuantizedExperts, TpuTiling, dequantize, gather_matmul,
-                                           grouped_matmul, quantize_experts, resolve_impl, tuning)
-from pallas_kernels.grouped_matmul import gpu, tpu
+                                           grouped_matmul, quantize_experts, resolve_impl, swiglu_pairs, tuning)
+from pallas_kernels.grouped_matmul import gpu, gpu_swiglu, tpu
 
 QWEN_EXPERTS = 128  # Qwen3-30B-A3B: 128 experts, top-8, hidden 2048, moe_intermediate_size 768
 QWEN_SHAPES = {"gate_up": (2048, 768), "down": (768, 2048)}  # (K, N)
@@ -525,3 +525,112 @@ def test_gpu_gather_matmul_matches_reference_at_qwen3_decode(rng, tokens, live, 
     sorted_out = _device_reference(x[rows[order]], rhs, sizes)  # [P, N], pairs in expert order
     want = jnp.zeros_like(sorted_out).at[order].set(sorted_out)
     assert _rel(got, want) < 1e-2, _rel(got, want)
+
+
+# ----------------------------------------------------------------------------- fused per-pair SwiGLU (swiglu_pairs)
+
+
+def _swiglu_weights(key, groups, d, f, dtype=jnp.bfloat16):
+    """Gate, up and down weights scaled so the SwiGLU output stays O(1); drawn on the device."""
+    kg, ku, kd = jax.random.split(key, 3)
+    draw = lambda k, shape, fan_in: (jax.random.normal(k, shape, jnp.float32) * fan_in**-0.5).astype(dtype)  # noqa: E731
+    return draw(kg, (groups, d, f), d), draw(ku, (groups, d, f), d), draw(kd, (groups, f, d), f)
+
+
+def _swiglu_oracle(x, wg, wu, wd, rows, experts) -> np.ndarray:
+    """float64: silu(x[r] @ Wg[e]) * (x[r] @ Wu[e]) @ Wd[e] per live pair, zeros elsewhere; [P, D]."""
+    f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
+    x, wg, wu, wd = map(f64, (x, wg, wu, wd))
+    out = np.zeros((len(rows), x.shape[1]))
+    for p, (r, e) in enumerate(zip(np.asarray(rows), np.asarray(experts))):
+        if 0 <= e < wg.shape[0]:
+            g, u = x[r] @ wg[e], x[r] @ wu[e]
+            out[p] = (g / (1 + np.exp(-g)) * u) @ wd[e]
+    return out
+
+
+def test_swiglu_pairs_reference_matches_float64_oracle(rng):
+    rows, experts = _pairs(rng, 5, 3, 6)
+    x = jnp.asarray(rng.standard_normal((5, 32)), jnp.float32)
+    wg, wu, wd = _swiglu_weights(jax.random.key(int(rng.integers(2**31))), 6, 32, 24, jnp.float32)
+    got = swiglu_pairs(x, wg, wu, wd, rows, experts, impl="reference")
+    assert got.shape == (1, 15, 32) and got.dtype == jnp.float32
+    assert _rel(got[0], _swiglu_oracle(x, wg, wu, wd, rows, experts)) < 1e-6
+
+
+SWIGLU_INTERPRET_CASES = {  # tokens, top_k, experts, D, F, tiling or None (the default)
+    "default_tiles": (11, 3, 7, 256, 128, None),
+    "f128_k64": (6, 2, 4, 256, 256, gpu_swiglu.SwigluTiling(tile_f=128, tile_k=64, tile_d=128, stages=2)),
+    "d256": (5, 2, 3, 512, 64, gpu_swiglu.SwigluTiling(tile_f=64, tile_k=64, tile_d=256, stages=2)),
+    "one_k_step": (3, 4, 5, 128, 64, gpu_swiglu.SwigluTiling(tile_f=64, tile_k=128, tile_d=64, stages=2)),
+}
+
+
+@pytest.mark.parametrize("name", list(SWIGLU_INTERPRET_CASES))
+def test_swiglu_pairs_gpu_kernel_in_interpret_mode_matches_oracle(rng, name):
+    """Pairs whose rows sit anywhere in their 8-row tile (rows past the last one zero-filled by the TMA),
+    shared and skipped experts (-1 and one past G), one and several K and D steps."""
+    tokens, top_k, groups, d, f, tiling = SWIGLU_INTERPRET_CASES[name]
+    rows, experts = _pairs(rng, tokens, top_k, groups)
+    x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.bfloat16)
+    wg, wu, wd = _swiglu_weights(jax.random.key(int(rng.integers(2**31))), groups, d, f)
+    parts = swiglu_pairs(x, wg, wu, wd, rows, experts, impl="pallas_gpu", interpret=True, tiling=tiling)
+    slices = f // (tiling or gpu_swiglu.SwigluTiling()).tile_f
+    assert parts.shape == (slices, tokens * top_k, d) and parts.dtype == jnp.float32
+    live = np.asarray((experts >= 0) & (experts < groups))
+    got = np.asarray(parts.sum(axis=0))[live]
+    want = _swiglu_oracle(x, wg, wu, wd, rows, experts)[live]
+    assert np.isfinite(got).all() and _rel(got, want) < 1e-2, _rel(got, want)
+
+
+def test_swiglu_pairs_takes_16_bit_weights_only_and_checks_tilings():
+    x = jax.ShapeDtypeStruct((2, 2048), jnp.bfloat16)
+    wg = jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16)
+    wd = jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16)
+    assert gpu_swiglu.supported(x, wg, wg, wd)
+    quantized = QuantizedExperts(jax.ShapeDtypeStruct((128, 768, 2048), jnp.int8),
+                                 jax.ShapeDtypeStruct((128, 768), jnp.float32))
+    assert not gpu_swiglu.supported(x, quantized, wg, wd)
+    assert not gpu_swiglu.supported(jax.ShapeDtypeStruct((2, 2048), jnp.float32), wg, wg, wd)
+    assert not gpu_swiglu.supported(x, jax.ShapeDtypeStruct((128, 2048, 96), jnp.bfloat16), wg, wd)
+    with pytest.raises(ValueError, match="tile_f must be 64 or 128 and divide F=768"):
+        gpu_swiglu.check_tiling(gpu_swiglu.SwigluTiling(tile_f=256), 2048, 768)
+    with pytest.raises(ValueError, match="shared memory"):
+        gpu_swiglu.check_tiling(gpu_swiglu.SwigluTiling(tile_f=128, tile_k=128, stages=3), 2048, 768)
+
+
+@pytest.mark.parametrize("d, f, tiling", [
+    (2048, 768, None),  # Qwen3-30B-A3B
+    (4096, 14336, None),  # Mixtral-8x7B
+    (2048, 768, gpu_swiglu.SwigluTiling(tile_f=128, tile_k=64, tile_d=128, stages=3)),
+])
+def test_swiglu_pairs_lowers_for_cuda(d, f, tiling):
+    x = jax.ShapeDtypeStruct((2, d), jnp.bfloat16)
+    wg = jax.ShapeDtypeStruct((8, d, f), jnp.bfloat16)
+    wd = jax.ShapeDtypeStruct((8, f, d), jnp.bfloat16)
+    pairs = jax.ShapeDtypeStruct((16,), jnp.int32)
+    lowered = jax.jit(lambda *a: gpu_swiglu.swiglu_pairs(*a, tiling=tiling)).trace(x, wg, wg, wd, pairs, pairs).lower(
+        lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling", [None, gpu_swiglu.SwigluTiling(tile_f=128, tile_k=64, tile_d=128, stages=3)])
+@pytest.mark.parametrize("tokens, live", [(2, 1), (16, 1), (16, 8), (16, 16)])
+def test_gpu_swiglu_pairs_matches_reference_at_qwen3_decode(rng, tokens, live, tiling):
+    """The engine's decode buckets: `tokens` rows x top-8 of 128 experts, `live` of them real."""
+    d, f = 2048, 768
+    rows, experts = _pairs(rng, tokens, 8, QWEN_EXPERTS, skip=0.0)
+    experts = jnp.where(rows < live, experts, -1)
+    x = jax.random.normal(jax.random.key(int(rng.integers(2**31))), (tokens, d), jnp.bfloat16)
+    wg, wu, wd = _swiglu_weights(jax.random.key(int(rng.integers(2**31))), QWEN_EXPERTS, d, f)
+    parts = swiglu_pairs(x, wg, wu, wd, rows, experts, impl="pallas_gpu", tiling=tiling)
+    keep = np.asarray((experts >= 0) & (experts < QWEN_EXPERTS))
+    got = np.asarray(parts.sum(axis=0))[keep]
+    # The three-launch kernel path as the device reference: exact bf16 products, fp32 sums.
+    gate = gather_matmul(x, wg, rows, experts, impl="pallas_gpu", preferred_element_type=jnp.float32)
+    up = gather_matmul(x, wu, rows, experts, impl="pallas_gpu", preferred_element_type=jnp.float32)
+    hidden = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
+    want = gather_matmul(hidden, wd, jnp.arange(rows.shape[0], dtype=jnp.int32), experts, impl="pallas_gpu",
+                         preferred_element_type=jnp.float32)
+    assert np.isfinite(got).all() and _rel(got, np.asarray(want)[keep]) < 1e-2

@@ -1,0 +1,181 @@
+"""The MoE decode step's experts as one Mosaic GPU kernel: per (token, expert) pair, gate, up, SwiGLU and down.
+
+    parts [S, P, D] f32 = swiglu_pairs(x [R, D], w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D],
+                                       rows [P], experts [P])
+    out[p] = sum_s parts[s, p]   (= silu(x[r] @ Wg[e]) * (x[r] @ Wu[e]) @ Wd[e], r = rows[p], e = experts[p])
+
+Why one kernel: at batch 1 an MoE layer's experts were three `gather_matmul` launches plus the SwiGLU and the
+picks of their transposed tiles between them, ~9 kernels whose launch gaps and ramps cost more than the
+bytes they move (docs/PERFORMANCE.md, issue 13). SwiGLU is elementwise in F, so a slice of F can go all the
+way through: the down projection's K dimension is F, and each slice's contribution to the output is a
+partial sum.
+
+A CTA is one pair and one slice of `tile_f` intermediate channels (grid (P, F / tile_f)):
+1. gate and up: `g, u [64, tile_f] = x[row0 : row0 + 64] @ Wg[e][:, slice], ... @ Wu[e][:, slice]`, a
+   pipeline over D in `tile_k` steps. wgmma's M side is 64 rows, and a pair has one row: the x tile is the 8-row
+   block holding it (row0 = rows[p] rounded down to 8, the TMA tiling of a swizzled tile; the TMA zero-fills
+   the rest past the last row), and rows are independent, so the other 63 rows cost tensor-core time only
+   (the kernel is bound by the weight bytes, ~3x over the matmul time at Qwen3-30B-A3B's shapes).
+2. h = silu(g) * u, in registers, cast to the weights' dtype: the A operand of the next wgmma as it stands
+   (the attention kernels' P @ V pattern), so h never goes through memory.
+3. down: `y [64, tile_d] = h @ Wd[e][slice, d tile]` for each `tile_d` block of D (a second pipeline); row
+   rows[p] - row0 of y goes to `parts[slice, p, d tile]` through a two-slot SMEM tile and a one-row TMA store.
+Pairs with an expert outside [0, E) (padding tokens, other devices' experts) exit at once and leave their
+rows unwritten: the caller masks them (the MoE combine does, with `where`).
+
+The caller sums the S = F / tile_f partials in the fusion that weights and adds the k slots of each token,
+so the kernel needs no cross-CTA reduction. 16-bit weights only (`supported`); quantized experts keep the
+three-launch `gather_matmul` path. Interpret mode (CPU) computes step 3's product with a plain dot: the
+interpreter's wgmma reads only SMEM operands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.grouped_matmul.gpu import _ROW_ALIGN, _interpret_params, _lhs_spec, _transforms
+
+_ROWS = 64  # wgmma M: the x tile's rows, of which one is the pair's
+
+
+@dataclasses.dataclass(frozen=True)
+class SwigluTiling:
+    tile_f: int = 64  # intermediate channels per CTA: the partial-sum slices (S = F / tile_f)
+    tile_k: int = 128  # hidden channels per gate/up pipeline step
+    tile_d: int = 128  # output channels per down pipeline step
+    stages: int = 3  # pipeline depth of both phases
+
+
+def smem_bytes(t: SwigluTiling, itemsize: int = 2) -> int:
+    """The larger phase's pipeline buffers plus the two-slot fp32 output tile."""
+    gate_up = t.stages * (_ROWS * t.tile_k + 2 * t.tile_k * t.tile_f) * itemsize
+    down = t.stages * t.tile_f * t.tile_d * itemsize
+    return max(gate_up, down) + 2 * _ROWS * t.tile_d * 4
+
+
+def check_tiling(t: SwigluTiling, d: int, f: int) -> None:
+    problems = []
+    if t.tile_f % 64 or f % t.tile_f or t.tile_f > 128:
+        problems.append(f"tile_f must be 64 or 128 and divide F={f}")
+    if t.tile_k % 64 or d % t.tile_k or t.tile_d % 64 or d % t.tile_d or t.tile_d > 256:
+        problems.append(f"tile_k and tile_d must be multiples of 64 dividing D={d} (tile_d <= 256)")
+    if t.stages < 2:
+        problems.append("stages must be >= 2")
+    from pallas_kernels.grouped_matmul.tuning import SMEM_BUDGET
+    if smem_bytes(t) > SMEM_BUDGET:
+        problems.append(f"needs {smem_bytes(t)} bytes of shared memory, over {SMEM_BUDGET}")
+    if problems:
+        raise ValueError(f"bad SwiGLU tiling {t}: " + "; ".join(problems))
+
+
+def supported(x, w_gate, w_up, w_down) -> bool:
+    """16-bit activations with weights of the same dtype (not QuantizedExperts), D a multiple of 128 and F
+    of 64 (the default tiles)."""
+    if not all(isinstance(a, jax.Array | jax.ShapeDtypeStruct) for a in (w_gate, w_up, w_down)):
+        return False
+    if x.dtype not in (jnp.bfloat16, jnp.float16) or {w_gate.dtype, w_up.dtype, w_down.dtype} != {x.dtype}:
+        return False
+    _, d, f = w_gate.shape
+    return d % 128 == 0 and f % 64 == 0
+
+
+def _silu_times(g, u):
+    """silu(g) * u in fp32 (exp and a division: what the Mosaic GPU lowering has for the sigmoid)."""
+    return g * u / (1.0 + jnp.exp(-g))
+
+
+def _gate_up(acc_g, acc_u, x_gmem, g_gmem, u_gmem, *, row0, c, t: SwigluTiling):
+    """acc_g, acc_u [64, tile_f] += x tile @ Wg / Wu [:, slice c] over all of D; returns both values."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    steps = x_gmem.shape[1] // t.tile_k
+    lag = min(1, steps - 1)  # one pair of wgmmas stays in flight; its slot is released a step late
+    w_spec = plgpu.BlockSpec((t.tile_k, t.tile_f), lambda k: (k, c), transforms=_transforms(g_gmem.dtype, t.tile_f),
+                             delay_release=lag)
+
+    def step(_, x_smem, g_smem, u_smem):
+        plgpu.wgmma(acc_g, x_smem, g_smem)  # [64, tk] @ [tk, tf]
+        plgpu.wgmma(acc_u, x_smem, u_smem)
+        plgpu.wgmma_wait(lag)
+
+    plgpu.emit_pipeline(step, grid=(steps,), in_specs=[_lhs_spec(_ROWS, t.tile_k, row0, 0, x_gmem.dtype, lag),
+                                                        w_spec, w_spec],
+                        max_concurrent_steps=t.stages)(x_gmem, g_gmem, u_gmem)
+    return acc_g[...], acc_u[...]  # waits for the last wgmmas
+
+
+def _down(h, d_gmem, o_gmem, o_smem, *, p, r, c, t: SwigluTiling, interpret):
+    """o_gmem[p, d tile] = row r of h [64, tile_f] @ Wd[slice c, d tile], for every d tile of D."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    steps = d_gmem.shape[1] // t.tile_d
+    w_spec = plgpu.BlockSpec((t.tile_f, t.tile_d), lambda j: (c, j), transforms=_transforms(d_gmem.dtype, t.tile_d))
+
+    def step(idx, w_smem):
+        j = idx[0]
+        if interpret:
+            y = jax.lax.dot(h, w_smem[...], preferred_element_type=jnp.float32)
+        else:
+            y = pl.run_state(lambda acc: plgpu.wgmma(acc, h, w_smem))(
+                plgpu.ACC.init(jnp.zeros((_ROWS, t.tile_d), jnp.float32)))  # [64, td], waited for
+        slot = o_smem.at[jax.lax.rem(j, 2)]  # [64, td] f32, unswizzled: any row is a legal TMA source
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that read this slot two steps ago
+        slot[...] = y
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(slot.at[pl.ds(r, 1)], o_gmem.at[pl.ds(p, 1), pl.ds(j * t.tile_d, t.tile_d)])  # [1, td]
+
+    plgpu.emit_pipeline(step, grid=(steps,), in_specs=[w_spec], max_concurrent_steps=t.stages)(d_gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _kernel(experts_ref, rows_ref, x_gmem, g_gmem, u_gmem, d_gmem, o_gmem, o_smem, *, t: SwigluTiling, interpret):
+    # experts_ref, rows_ref [P] i32; x_gmem [Rp, D]; g_gmem, u_gmem [E, D, F]; d_gmem [E, F, D];
+    # o_gmem [S, P, D] f32; o_smem [2, 64, tile_d] f32.
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    p, c = jax.lax.axis_index("p"), jax.lax.axis_index("c")
+    expert, row = experts_ref[p], rows_ref[p]
+    row0 = row // _ROW_ALIGN * _ROW_ALIGN
+
+    @pl.when(expert >= 0)
+    def _():
+        gate_up = functools.partial(_gate_up, x_gmem=x_gmem, g_gmem=g_gmem.at[expert], u_gmem=u_gmem.at[expert],
+                                    row0=row0, c=c, t=t)
+        acc = plgpu.ACC((_ROWS, t.tile_f), jnp.float32)
+        g, u = pl.run_scoped(gate_up, acc, acc)  # [64, tf] each
+        h = _silu_times(g, u).astype(x_gmem.dtype)  # [64, tf]: A operand of the down wgmma, in registers
+        _down(h, d_gmem.at[expert], o_gmem.at[c], o_smem, p=p, r=row - row0, c=c, t=t, interpret=interpret)
+
+
+@functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
+def swiglu_pairs(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, rows: jax.Array,
+                 experts: jax.Array, *, tiling: SwigluTiling | None = None, interpret: bool = False) -> jax.Array:
+    """[F / tile_f, P, D] float32 partial sums of each pair's SwiGLU expert (module docstring); the rows of
+    pairs whose expert is outside [0, E) are left unwritten (mask them)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if not supported(x, w_gate, w_up, w_down):
+        raise NotImplementedError("the fused SwiGLU kernel takes 16-bit x and weights of its dtype, D % 128 == 0 "
+                                  f"and F % 64 == 0; got {x.dtype} x, {w_gate.dtype} weights, shape {w_gate.shape}")
+    t = tiling or SwigluTiling()
+    e, d, f = w_gate.shape
+    check_tiling(t, d, f)
+    m = x.shape[0]
+    x = jnp.pad(x, ((0, -(-m // _ROW_ALIGN) * _ROW_ALIGN - m), (0, 0)))  # [Rp, D]: the TMA tiles rows by 8
+    experts = experts.astype(jnp.int32)
+    experts = jnp.where((experts >= 0) & (experts < e), experts, -1)  # [P]
+    p = rows.shape[0]
+    return plgpu.kernel(
+        functools.partial(_kernel, t=t, interpret=bool(interpret)),
+        out_type=jax.ShapeDtypeStruct((f // t.tile_f, p, d), jnp.float32),
+        scratch_types=[plgpu.SMEM((2, _ROWS, t.tile_d), jnp.float32)],
+        grid=(p, f // t.tile_f), grid_names=("p", "c"),
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+        interpret=_interpret_params(interpret),
+    )(experts, rows.astype(jnp.int32), x, w_gate, w_up, w_down)
