@@ -61,6 +61,8 @@
 #                under compiler options SS_VARIANTS (engine: as the engine compiles each bucket): step, device and host launch time: $OUT/single_step.json
 #   ab_b1        batch-1 decode (end to end and device only) of .ab_old (a git worktree, carried) and this tree,
 #                alternating twice: $OUT/ab_b1.jsonl
+#   moe_b1_kernels  scripts/profile_decode_buckets.py for Qwen3-30B-A3B's batch-1 bucket: its 80 costliest kernels
+#                and the compiled decode HLO: $OUT/moe_b1_kernels.json, $OUT/decode_rows2*.hlo.txt
 #   ab_moe_b1    ab_b1 for Qwen3-30B-A3B (one run of each tree): $OUT/ab_moe_b1.jsonl
 #   ab_grid      issue 12's TP=1 bar: the run of record's fixed grids and decode at batch 1 through the public
 #                API, the 11-22 tree (.ab_old, a git worktree of 014cf88, carried) then this one
@@ -115,7 +117,7 @@ for section in "$@"; do
     swiglu)
       run swiglu_tests 240 python3 -m pytest -q -m gpu -k "swiglu or gather" tests/pallas_kernels/test_grouped_matmul.py
       run swiglu_block 300 python3 scripts/profile_moe_block.py --cases 2:1,16:1,16:8 --out "$OUT/moe_block_swiglu.json" \
-        --impls engine,pairs3,engine:128x64x128x3,engine:64x64x128x5,engine:64x128x256x2 ;;
+        --impls ${SWIGLU_IMPLS:-engine,pairs3,engine:64x128x128x3xrows,engine:128x64x128x3,engine:64x128x128x4,engine:64x128x256x3} ;;
     describe)
       run describe 300 python3 -c 'from jaxinfer import LLM; from jaxinfer.describe import format_description as f
 llm = LLM("llama-3-8b", random_weights=True, dtype="bfloat16", max_num_seqs=64, max_model_len=2048, decode_steps_per_call=8, use_tqdm=False)
@@ -207,6 +209,9 @@ print(f(llm.describe()))' ;;
     ab_b1)
       run ab_b1 590 python3 scripts/ab_bench.py --trees .ab_old . --repeats 2 --out "$OUT/ab_b1.jsonl" -- \
         --hf skip --memory-fraction 0.85 --sections decode decode_device --decode-batches 1 ;;
+    moe_b1_kernels)
+      run moe_b1_kernels 400 python3 scripts/profile_decode_buckets.py --model qwen3-30b-a3b --rows 1 --max-num-seqs 2 \
+        --memory-fraction 0.85 --top 80 --out "$OUT/moe_b1_kernels.json" --hlo-dir "$OUT" ;;
     ab_moe_b1)
       run ab_moe_b1 590 python3 scripts/ab_bench.py --trees .ab_old . --repeats 1 --out "$OUT/ab_moe_b1.jsonl" -- \
         --model qwen3-30b-a3b --hf skip --memory-fraction 0.85 --sections decode decode_device --decode-batches 1 ;;

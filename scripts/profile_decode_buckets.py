@@ -20,7 +20,7 @@ from jaxinfer.bench.measure import kernel_profile
 from jaxinfer.bench.workloads import fixed, prompts
 
 
-def time_bucket(llm: LLM, rows: int, real: int, ctx: int, steps: int, calls: int) -> dict:
+def time_bucket(llm: LLM, rows: int, real: int, ctx: int, steps: int, calls: int, top: int = 12) -> dict:
     """Device time of `calls` back-to-back decode calls over bucket `rows` holding `real` sequences."""
     engine, runner = llm.engine, llm.engine.runner
     ids = [engine.add_request(p, _greedy(engine.max_model_len - ctx)) for p in prompts(fixed(ctx, 1, real), 32000, rows)]
@@ -44,7 +44,7 @@ def time_bucket(llm: LLM, rows: int, real: int, ctx: int, steps: int, calls: int
         call()
     jax.block_until_ready(call())
     per_iteration_ms = (time.perf_counter() - t) / calls / steps * 1e3
-    profile = kernel_profile(lambda: [call() for _ in range(2)], calls=2)
+    profile = kernel_profile(lambda: [call() for _ in range(2)], calls=2, top=top)
     for i in ids:
         engine.abort(i)
     return {"rows_bucket": shape.seqs, "real_rows": real, "ms_per_iteration": per_iteration_ms, "kernels": profile}
@@ -66,15 +66,19 @@ def main() -> None:
     p.add_argument("--out", default="buckets.json")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--hlo-dir", default=None, help="write each decode executable's compiled HLO here")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="the largest bucket (fewer buckets warm up faster)")
+    p.add_argument("--memory-fraction", type=float, default=0.5)
+    p.add_argument("--top", type=int, default=12, help="kernels listed per bucket, by device time")
     args = p.parse_args()
-    llm = LLM(args.model, random_weights=True, dtype=args.dtype, max_num_seqs=64, max_model_len=args.ctx + 256,
-              decode_steps_per_call=args.steps, use_tqdm=False, memory_fraction=0.5)
+    llm = LLM(args.model, random_weights=True, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+              max_model_len=args.ctx + 256,
+              decode_steps_per_call=args.steps, use_tqdm=False, memory_fraction=args.memory_fraction)
     llm.wait_for_background_compile()  # steady-state speed
     results = []
     for rows in args.rows:
-        results.append(time_bucket(llm, rows, 1, args.ctx, args.steps, args.calls))
+        results.append(time_bucket(llm, rows, 1, args.ctx, args.steps, args.calls, args.top))
         if rows > 1:
-            results.append(time_bucket(llm, rows, rows, args.ctx, args.steps, args.calls))
+            results.append(time_bucket(llm, rows, rows, args.ctx, args.steps, args.calls, args.top))
         print(json.dumps({k: v for k, v in results[-1].items() if k != "kernels"}), flush=True)
     if args.hlo_dir:
         for branch_free in (False, True):  # runner.takes_branch_free: the two builds of the loop (GPU)

@@ -104,7 +104,8 @@ def active_expert_bytes(shape, tokens, dtype):
 def run_case(bucket, real, impl, shape, layers, dtype, sets, bw):
     expert_matmul, pair_kernel, name = jax.lax.ragged_dot, None, impl
     impl, _, tiles = impl.partition(":")  # engine:FxKxDxSTAGES times the fused kernel at another tiling
-    tiling = gmm_swiglu.SwigluTiling(*map(int, tiles.split("x"))) if tiles else None
+    fields = tiles.split("x") if tiles else []
+    tiling = gmm_swiglu.SwigluTiling(*map(int, fields[:4]), *fields[4:]) if fields else None  # ...xrows: down
     if impl in ("engine", "grouped"):
         expert_matmul = functools.partial(grouped_matmul, impl="auto")
     if impl in ("engine", "pairs3") and jax.default_backend() == "gpu":  # what the runner builds on a GPU
@@ -142,7 +143,7 @@ def main(argv=None):
     parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--impls", default="engine,pairs3,grouped,ragged_dot",
                         help="engine: as the runner builds it (the per-pair path for decode steps on a GPU, fused); "
-                             "engine:FxKxDxSTAGES: the fused kernel at that SwigluTiling; "
+                             "engine:FxKxDxSTAGES[xrows]: the fused kernel at that SwigluTiling; "
                              "pairs3: the per-pair path with three gather_matmul launches; "
                              "grouped: the grouped matmul at every step; ragged_dot: XLA's")
     parser.add_argument("--cases", default="", help="bucket:real pairs, comma-separated (default: the engine's)")

@@ -48,13 +48,29 @@ class SwigluTiling:
     tile_k: int = 128  # hidden channels per gate/up pipeline step
     tile_d: int = 128  # output channels per down pipeline step
     stages: int = 3  # pipeline depth of both phases
+    # The down projection's orientation: "cols" computes y^T [tile_d, 8] = Wd^T @ h^T over the 8-row block of h
+    # (h staged once through SMEM) and picks the pair's column in registers; "rows" computes y [64, tile_d] =
+    # h @ Wd with h in registers and stores all 64 rows to SMEM to send one on.
+    down: str = "cols"
+
+
+def default_tiling(pairs: int, f: int) -> SwigluTiling:
+    """Slices of 64 channels for the batch-1 bucket (16 pairs at top-8: its 8 live pairs x 12 slices of
+    Qwen3-30B-A3B's F = 768 are 96 CTAs), of 128 above it, where slices of 64 make more CTAs than the SMs
+    take at once and each re-reads the x tile (one H200, one layer at 8 live tokens of a 16-token bucket:
+    137.7 against 168.0 us; at 1 live token of a 2-token bucket 25.4 against 32.2 us;
+    docs/benchmarks/moe_block_swiglu_h200.json)."""
+    if pairs > 16 and f % 128 == 0:
+        return SwigluTiling(tile_f=128, tile_k=64)
+    return SwigluTiling()
 
 
 def smem_bytes(t: SwigluTiling, itemsize: int = 2) -> int:
-    """The larger phase's pipeline buffers plus the two-slot fp32 output tile."""
+    """The larger phase's pipeline buffers plus the two-slot fp32 output (and, "cols", the staged h)."""
     gate_up = t.stages * (_ROWS * t.tile_k + 2 * t.tile_k * t.tile_f) * itemsize
     down = t.stages * t.tile_f * t.tile_d * itemsize
-    return max(gate_up, down) + 2 * _ROWS * t.tile_d * 4
+    out = 2 * t.tile_d * 4 + _ROWS * t.tile_f * itemsize if t.down == "cols" else 2 * _ROWS * t.tile_d * 4
+    return max(gate_up, down) + out
 
 
 def check_tiling(t: SwigluTiling, d: int, f: int) -> None:
@@ -65,6 +81,8 @@ def check_tiling(t: SwigluTiling, d: int, f: int) -> None:
         problems.append(f"tile_k and tile_d must be multiples of 64 dividing D={d} (tile_d <= 256)")
     if t.stages < 2:
         problems.append("stages must be >= 2")
+    if t.down not in ("cols", "rows"):
+        problems.append(f"down must be 'cols' or 'rows', got {t.down!r}")
     from pallas_kernels.grouped_matmul.tuning import SMEM_BUDGET
     if smem_bytes(t) > SMEM_BUDGET:
         problems.append(f"needs {smem_bytes(t)} bytes of shared memory, over {SMEM_BUDGET}")
@@ -108,7 +126,39 @@ def _gate_up(acc_g, acc_u, x_gmem, g_gmem, u_gmem, *, row0, c, t: SwigluTiling):
     return acc_g[...], acc_u[...]  # waits for the last wgmmas
 
 
-def _down(h, d_gmem, o_gmem, o_smem, *, p, r, c, t: SwigluTiling, interpret):
+def _down_cols(h, h_smem, d_gmem, o_gmem, o_smem, *, p, r, c, t: SwigluTiling, interpret):
+    """o_gmem[p, d tile] = row r of h [64, tile_f] @ Wd[slice c, d tile], for every d tile of D, as
+    y^T [tile_d, 8] = Wd^T @ (rows 0..7 of h)^T (the gather_matmul orientation: D channels are wgmma's M side)
+    and column r of it picked in registers (a masked row sum), so one [tile_d] row goes through SMEM."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    h_smem[...] = h  # [64, tf], swizzled: rows 0..7 are the 8-row block holding the pair's row
+    plgpu.commit_smem()
+    block = h_smem.at[pl.ds(0, _ROW_ALIGN)]  # [8, tf]
+    steps = d_gmem.shape[1] // t.tile_d
+    w_spec = plgpu.BlockSpec((t.tile_f, t.tile_d), lambda j: (c, j), transforms=_transforms(d_gmem.dtype, t.tile_d))
+
+    def step(idx, w_smem):
+        j = idx[0]
+        if interpret:
+            yt = jax.lax.dot(w_smem[...].T, block[...].T, preferred_element_type=jnp.float32)
+        else:
+            yt = pl.run_state(lambda acc: plgpu.wgmma(acc, w_smem.T, block.T))(
+                plgpu.ACC.init(jnp.zeros((t.tile_d, _ROW_ALIGN), jnp.float32)))  # [td, 8], waited for
+        col = plgpu.broadcasted_iota(jnp.int32, yt.shape, 1, layout=plgpu.Layout.WGMMA)
+        y = jnp.sum(jnp.where(col == r, yt, 0.0), axis=1)  # [td]: the pair's row
+        slot = o_smem.at[jax.lax.rem(j, 2)]  # [td] f32
+        plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that read this slot two steps ago
+        slot[...] = y
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(slot, o_gmem.at[p, pl.ds(j * t.tile_d, t.tile_d)])
+
+    plgpu.emit_pipeline(step, grid=(steps,), in_specs=[w_spec], max_concurrent_steps=t.stages)(d_gmem)
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _down_rows(h, d_gmem, o_gmem, o_smem, *, p, r, c, t: SwigluTiling, interpret):
     """o_gmem[p, d tile] = row r of h [64, tile_f] @ Wd[slice c, d tile], for every d tile of D."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -133,9 +183,10 @@ def _down(h, d_gmem, o_gmem, o_smem, *, p, r, c, t: SwigluTiling, interpret):
     plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel(experts_ref, rows_ref, x_gmem, g_gmem, u_gmem, d_gmem, o_gmem, o_smem, *, t: SwigluTiling, interpret):
+def _kernel(experts_ref, rows_ref, x_gmem, g_gmem, u_gmem, d_gmem, o_gmem, o_smem, *h_smem, t: SwigluTiling,
+            interpret):
     # experts_ref, rows_ref [P] i32; x_gmem [Rp, D]; g_gmem, u_gmem [E, D, F]; d_gmem [E, F, D];
-    # o_gmem [S, P, D] f32; o_smem [2, 64, tile_d] f32.
+    # o_gmem [S, P, D] f32; o_smem [2, tile_d] f32 ("cols", with h_smem [64, tile_f]) or [2, 64, tile_d] f32.
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -150,7 +201,11 @@ def _kernel(experts_ref, rows_ref, x_gmem, g_gmem, u_gmem, d_gmem, o_gmem, o_sme
         acc = plgpu.ACC((_ROWS, t.tile_f), jnp.float32)
         g, u = pl.run_scoped(gate_up, acc, acc)  # [64, tf] each
         h = _silu_times(g, u).astype(x_gmem.dtype)  # [64, tf]: A operand of the down wgmma, in registers
-        _down(h, d_gmem.at[expert], o_gmem.at[c], o_smem, p=p, r=row - row0, c=c, t=t, interpret=interpret)
+        down = dict(p=p, r=row - row0, c=c, t=t, interpret=interpret)
+        if t.down == "cols":
+            _down_cols(h, h_smem[0], d_gmem.at[expert], o_gmem.at[c], o_smem, **down)
+        else:
+            _down_rows(h, d_gmem.at[expert], o_gmem.at[c], o_smem, **down)
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
@@ -163,18 +218,23 @@ def swiglu_pairs(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.A
     if not supported(x, w_gate, w_up, w_down):
         raise NotImplementedError("the fused SwiGLU kernel takes 16-bit x and weights of its dtype, D % 128 == 0 "
                                   f"and F % 64 == 0; got {x.dtype} x, {w_gate.dtype} weights, shape {w_gate.shape}")
-    t = tiling or SwigluTiling()
     e, d, f = w_gate.shape
+    t = tiling or default_tiling(rows.shape[0], f)
     check_tiling(t, d, f)
     m = x.shape[0]
     x = jnp.pad(x, ((0, -(-m // _ROW_ALIGN) * _ROW_ALIGN - m), (0, 0)))  # [Rp, D]: the TMA tiles rows by 8
     experts = experts.astype(jnp.int32)
     experts = jnp.where((experts >= 0) & (experts < e), experts, -1)  # [P]
     p = rows.shape[0]
+    if t.down == "cols":
+        scratch = [plgpu.SMEM((2, t.tile_d), jnp.float32),
+                   plgpu.SMEM((_ROWS, t.tile_f), x.dtype, transforms=_transforms(x.dtype, t.tile_f))]
+    else:
+        scratch = [plgpu.SMEM((2, _ROWS, t.tile_d), jnp.float32)]
     return plgpu.kernel(
         functools.partial(_kernel, t=t, interpret=bool(interpret)),
         out_type=jax.ShapeDtypeStruct((f // t.tile_f, p, d), jnp.float32),
-        scratch_types=[plgpu.SMEM((2, _ROWS, t.tile_d), jnp.float32)],
+        scratch_types=scratch,
         grid=(p, f // t.tile_f), grid_names=("p", "c"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(interpret),

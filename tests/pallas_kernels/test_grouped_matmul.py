@@ -559,9 +559,11 @@ def test_swiglu_pairs_reference_matches_float64_oracle(rng):
 
 
 SWIGLU_INTERPRET_CASES = {  # tokens, top_k, experts, D, F, tiling or None (the default)
-    "default_tiles": (11, 3, 7, 256, 128, None),
+    "default_tiles": (11, 3, 7, 256, 128, None),  # 33 pairs: 128-channel slices
+    "default_tiles_batch_1": (2, 8, 9, 256, 128, None),  # 16 pairs: 64-channel slices
     "f128_k64": (6, 2, 4, 256, 256, gpu_swiglu.SwigluTiling(tile_f=128, tile_k=64, tile_d=128, stages=2)),
     "d256": (5, 2, 3, 512, 64, gpu_swiglu.SwigluTiling(tile_f=64, tile_k=64, tile_d=256, stages=2)),
+    "rows_down": (9, 3, 5, 256, 128, gpu_swiglu.SwigluTiling(stages=2, down="rows")),
     "one_k_step": (3, 4, 5, 128, 64, gpu_swiglu.SwigluTiling(tile_f=64, tile_k=128, tile_d=64, stages=2)),
 }
 
@@ -575,7 +577,7 @@ def test_swiglu_pairs_gpu_kernel_in_interpret_mode_matches_oracle(rng, name):
     x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.bfloat16)
     wg, wu, wd = _swiglu_weights(jax.random.key(int(rng.integers(2**31))), groups, d, f)
     parts = swiglu_pairs(x, wg, wu, wd, rows, experts, impl="pallas_gpu", interpret=True, tiling=tiling)
-    slices = f // (tiling or gpu_swiglu.SwigluTiling()).tile_f
+    slices = f // (tiling or gpu_swiglu.default_tiling(tokens * top_k, f)).tile_f
     assert parts.shape == (slices, tokens * top_k, d) and parts.dtype == jnp.float32
     live = np.asarray((experts >= 0) & (experts < groups))
     got = np.asarray(parts.sum(axis=0))[live]
@@ -596,13 +598,16 @@ def test_swiglu_pairs_takes_16_bit_weights_only_and_checks_tilings():
     with pytest.raises(ValueError, match="tile_f must be 64 or 128 and divide F=768"):
         gpu_swiglu.check_tiling(gpu_swiglu.SwigluTiling(tile_f=256), 2048, 768)
     with pytest.raises(ValueError, match="shared memory"):
-        gpu_swiglu.check_tiling(gpu_swiglu.SwigluTiling(tile_f=128, tile_k=128, stages=3), 2048, 768)
+        gpu_swiglu.check_tiling(gpu_swiglu.SwigluTiling(tile_f=128, tile_k=128, stages=3, down="rows"), 2048, 768)
+    with pytest.raises(ValueError, match="down must be 'cols' or 'rows'"):
+        gpu_swiglu.check_tiling(gpu_swiglu.SwigluTiling(down="sideways"), 2048, 768)
 
 
 @pytest.mark.parametrize("d, f, tiling", [
     (2048, 768, None),  # Qwen3-30B-A3B
     (4096, 14336, None),  # Mixtral-8x7B
     (2048, 768, gpu_swiglu.SwigluTiling(tile_f=128, tile_k=64, tile_d=128, stages=3)),
+    (2048, 768, gpu_swiglu.SwigluTiling(down="rows")),
 ])
 def test_swiglu_pairs_lowers_for_cuda(d, f, tiling):
     x = jax.ShapeDtypeStruct((2, d), jnp.bfloat16)
@@ -615,7 +620,8 @@ def test_swiglu_pairs_lowers_for_cuda(d, f, tiling):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tiling", [None, gpu_swiglu.SwigluTiling(tile_f=128, tile_k=64, tile_d=128, stages=3)])
+@pytest.mark.parametrize("tiling", [None, gpu_swiglu.SwigluTiling(tile_f=128, tile_k=64, tile_d=128, stages=3),
+                                    gpu_swiglu.SwigluTiling(down="rows")])
 @pytest.mark.parametrize("tokens, live", [(2, 1), (16, 1), (16, 8), (16, 16)])
 def test_gpu_swiglu_pairs_matches_reference_at_qwen3_decode(rng, tokens, live, tiling):
     """The engine's decode buckets: `tokens` rows x top-8 of 128 experts, `live` of them real."""
@@ -634,3 +640,12 @@ def test_gpu_swiglu_pairs_matches_reference_at_qwen3_decode(rng, tokens, live, t
     want = gather_matmul(hidden, wd, jnp.arange(rows.shape[0], dtype=jnp.int32), experts, impl="pallas_gpu",
                          preferred_element_type=jnp.float32)
     assert np.isfinite(got).all() and _rel(got, np.asarray(want)[keep]) < 1e-2
+
+
+def test_swiglu_default_tiling_by_pairs():
+    """64-channel slices for the batch-1 bucket's 16 pairs, 128 above it where F allows; both fit SMEM."""
+    assert gpu_swiglu.default_tiling(16, 768).tile_f == 64
+    assert gpu_swiglu.default_tiling(128, 768).tile_f == 128
+    assert gpu_swiglu.default_tiling(128, 64 * 5).tile_f == 64  # 320 channels: no 128 slices
+    for pairs, f in ((16, 768), (128, 768), (128, 14336)):
+        gpu_swiglu.check_tiling(gpu_swiglu.default_tiling(pairs, f), 2048, f)
