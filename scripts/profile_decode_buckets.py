@@ -84,8 +84,9 @@ def main() -> None:
         for branch_free in (False, True):  # runner.takes_branch_free: the two builds of the loop (GPU)
             decodes = [exe for key, exe in llm.engine.runner._executables.items()
                        if key[0] == "decode" and dict(key[2]).get("branch_free", False) == branch_free]
+            wanted = {llm.engine.decode_shape(r).seqs for r in args.rows}  # the buckets the rows asked for land in
             for rows, exe in zip(llm.engine.decode_row_buckets, decodes):  # warmup compiles them in this order
-                if rows in args.rows:
+                if rows in wanted:
                     name = f"decode_rows{rows}{'_branch_free' if branch_free else ''}.hlo.txt"
                     Path(args.hlo_dir, name).write_text(exe.as_text())
     Path(args.out).write_text(json.dumps(results, indent=1))

@@ -57,7 +57,7 @@ from jaxinfer.models import ModelFamily
 from jaxinfer.models.common import AttentionMetadata, gather_last_tokens
 from jaxinfer.models.moe import PairKernel
 from jaxinfer.sharding import Logical, ShardingRules, axis_size, replicated
-from pallas_kernels.grouped_matmul import gather_matmul, grouped_matmul, swiglu_pairs
+from pallas_kernels.grouped_matmul import gather_matmul, grouped_matmul, swiglu_experts
 from pallas_kernels.grouped_matmul import gpu as gmm_gpu
 from pallas_kernels.grouped_matmul import gpu_swiglu as gmm_swiglu
 from pallas_kernels.grouped_matmul import resolve_impl as resolve_experts_impl
@@ -195,7 +195,7 @@ class ModelRunner(CompiledPrograms):
         if resolve_experts_impl(experts_impl) == "pallas_gpu":
             pairs = PairKernel(functools.partial(gather_matmul, impl="pallas_gpu", interpret=interpret),
                                takes=gmm_gpu.supported,
-                               swiglu=functools.partial(swiglu_pairs, impl="pallas_gpu", interpret=interpret),
+                               swiglu=functools.partial(swiglu_experts, impl="pallas_gpu", interpret=interpret),
                                swiglu_takes=gmm_swiglu.supported)
         self.moe_fn = make_moe_fn(mesh, rules, experts, pairs) if family.moe else None
         self.num_experts = cfg.num_experts if family.moe else 0

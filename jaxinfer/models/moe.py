@@ -14,8 +14,9 @@ One MoE layer, for the T tokens of a step (letters: docs/ARCHITECTURE.md; k = ex
 Steps of at most PAIR_PATH_MAX_PAIRS pairs (decode) skip 2 and the un-permute of 4 when a `PairKernel` is
 given (the GPU's `gather_matmul`): each pair reads its token's row and its expert's weights in place, so the
 step runs the three expert matmuls and a few elementwise ops instead of a sort, scatters and gathers. Where
-the kernel has a fused form (`PairKernel.swiglu`, the GPU's `swiglu_pairs` for 16-bit weights), the three
-matmuls and the SwiGLU between them are one launch that returns partial sums, and the combine adds them up.
+the kernel has a fused form (`PairKernel.swiglu`, the GPU's `swiglu_experts` for 16-bit weights), the three
+matmuls and the SwiGLU between them are one launch that reads the routing itself and returns partial sums,
+and the combine adds them up.
 
 Dropless: every pair is computed, no capacity factor, so results never depend on what else is in the
 batch. Shapes are static (T*k rows whatever the routing); only the group sizes vary, so nothing recompiles.
@@ -60,9 +61,10 @@ class PairKernel:
     matmul: Callable[[jax.Array, Any, jax.Array, jax.Array], jax.Array]
     # (lhs, rhs) -> whether the kernel takes such operands (dtype, tile multiples); if not, the grouped path runs.
     takes: Callable[[jax.Array, Any], bool]
-    # The fused form, or None: (x [T, D], w_gate, w_up, w_down, rows [P], experts [P]) -> [S, P, D] float32
-    # partial sums of each pair's whole SwiGLU expert (rows of pairs outside [0, E) unwritten), taken where
-    # swiglu_takes(x, w_gate, w_up, w_down); otherwise `matmul` runs three times.
+    # The fused form, or None: (x [T, D], w_gate, w_up, w_down, experts [T, k] global ids, valid [T] | None,
+    # expert_offset) -> [S, k, T, D] float32 partial sums of each token's k whole SwiGLU experts (rows of invalid
+    # tokens and of experts held elsewhere unwritten), taken where swiglu_takes(x, w_gate, w_up, w_down);
+    # otherwise `matmul` runs three times.
     swiglu: Callable[..., jax.Array] | None = None
     swiglu_takes: Callable[..., bool] = lambda *operands: False
 
@@ -163,11 +165,11 @@ def moe_partial(
     group_sizes = jnp.zeros((e_local,), jnp.int32).at[ids].add(1, mode="drop")  # [E_local]
     weights = jnp.where(mine, routing.weights, 0.0)  # [T, k]
     if _pair_path(pair_kernel, x, w, t * top_k):
-        pair_experts = jnp.where(mine, local, -1).reshape(-1)  # [T*k]
         if pair_kernel.swiglu is not None and pair_kernel.swiglu_takes(x, w.w_gate, w.w_up, w.w_down):
-            token_rows = jnp.arange(t * top_k, dtype=jnp.int32) // top_k  # [T*k]: pair p is token p // k
-            parts = pair_kernel.swiglu(x, w.w_gate, w.w_up, w.w_down, token_rows, pair_experts)  # [S, T*k, D]
-            return _combine_parts(parts.reshape(-1, t, top_k, d), mine, weights), group_sizes
+            # The kernel reads the routing as it is and skips other pairs itself: no per-layer mask kernel.
+            parts = pair_kernel.swiglu(x, w.w_gate, w.w_up, w.w_down, routing.experts, valid, expert_offset)
+            return _combine_parts(parts, mine, weights), group_sizes  # parts [S, k, T, D]
+        pair_experts = jnp.where(mine, local, -1).reshape(-1)  # [T*k]
         ys = swiglu_pairs(x, w, pair_experts, pair_kernel.matmul)  # [T*k, D], pair order
         return _combine(ys.reshape(t, top_k, d).swapaxes(0, 1), mine, weights), group_sizes  # [k, T, D] by slot
     order = jnp.argsort(ids, stable=True)  # [T*k] pair index of each sorted row; foreign pairs last
@@ -211,11 +213,13 @@ def _combine(slot_rows, mine: jax.Array, weights: jax.Array) -> jax.Array:
 
 
 def _combine_parts(parts: jax.Array, mine: jax.Array, weights: jax.Array) -> jax.Array:
-    """parts [S, T, k, D] float32 partial sums of each (token, slot) pair's expert output -> sum over the S
-    partials and the k slots, weighted, over the pairs that are `mine`: float32 [T, D]. One reduction, so XLA
-    makes it one kernel; `where`, not the zero weight alone, because rows of other pairs are unwritten."""
-    terms = jnp.where(mine[None, :, :, None], parts * weights[None, :, :, None], 0.0)  # [S, T, k, D]
-    return jnp.sum(terms, axis=(0, 2))  # [T, D]
+    """parts [S, k, T, D] float32 partial sums of each (slot, token) pair's expert output -> the sum over the S
+    partials and the k slots, weighted, over the pairs that are `mine` ([T, k]): float32 [T, D]. The summed
+    axes lead, so XLA makes it one reduction kernel (with pairs token-major it transposed first, a kernel more);
+    `where`, not the zero weight alone, because rows of other pairs are unwritten."""
+    s, k, t, d = parts.shape
+    terms = jnp.where(mine.T[None, :, :, None], parts * weights.T[None, :, :, None], 0.0)  # [S, k, T, D]
+    return jnp.sum(terms.reshape(s * k, t, d), axis=0)  # [T, D]
 
 
 def moe_block(

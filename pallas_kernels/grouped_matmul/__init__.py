@@ -13,10 +13,11 @@ tuned tiles (`tuning.GpuTiling` / `tuning.TpuTiling`).
 
 is the per-pair form for MoE decode steps of a few tokens (no sort; GPU kernel, reference elsewhere), and
 
-    parts = swiglu_pairs(x [R, D], w_gate, w_up, w_down, rows [P], experts [P], impl=...)   # [S, P, D] f32
+    parts = swiglu_experts(x [T, D], w_gate, w_up, w_down, experts [T, k], valid [T], expert_offset, impl=...)
 
-its fused SwiGLU form: each pair's whole expert, silu(x[r] @ Wg[e]) * (x[r] @ Wu[e]) @ Wd[e], as S partial sums
-(add them over the first axis) in one GPU kernel (gpu_swiglu.py, 16-bit weights).
+the MoE decode step's fused form: each token's k whole SwiGLU experts, silu(x[t] @ Wg[e]) * (x[t] @ Wu[e]) @
+Wd[e], as [S, k, T, D] float32 partial sums (add them over the first axis) in one GPU kernel (gpu_swiglu.py,
+16-bit weights).
 """
 
 from __future__ import annotations
@@ -72,17 +73,20 @@ def gather_matmul(lhs: jax.Array, rhs, rows: jax.Array, experts: jax.Array, *, i
     return reference.gather_matmul(lhs, rhs, rows, experts, preferred_element_type=preferred_element_type)
 
 
-def swiglu_pairs(x: jax.Array, w_gate, w_up, w_down, rows: jax.Array, experts: jax.Array, *, impl: Impl = "auto",
-                 interpret: bool = False, tiling=None) -> jax.Array:
-    """[S, P, D] float32 partial sums of each pair's SwiGLU expert (module docstring). The GPU kernel leaves the
-    rows of pairs whose expert is outside [0, G) unwritten (mask them); the reference writes zeros there. GPU
-    kernel for 16-bit weights (`gpu_swiglu.supported`), the reference elsewhere."""
+def swiglu_experts(x: jax.Array, w_gate, w_up, w_down, experts: jax.Array, valid: jax.Array | None = None,
+                   expert_offset: jax.Array | int = 0, *, impl: Impl = "auto", interpret: bool = False,
+                   tiling=None) -> jax.Array:
+    """[S, k, T, D] float32 partial sums of each token's k SwiGLU experts (module docstring). The GPU kernel
+    leaves the rows of invalid tokens and of experts outside expert_offset .. + G - 1 unwritten (mask them);
+    the reference writes zeros there. GPU kernel for 16-bit weights (`gpu_swiglu.supported`), the reference
+    elsewhere."""
     from pallas_kernels.grouped_matmul import gpu_swiglu
     chosen = resolve_impl(impl, gpu_supported=gpu_swiglu.supported(x, w_gate, w_up, w_down))
     if chosen == "pallas_gpu":
-        return gpu_swiglu.swiglu_pairs(x, w_gate, w_up, w_down, rows, experts, tiling=tiling, interpret=interpret)
-    return reference.swiglu_pairs(x, w_gate, w_up, w_down, rows, experts)
+        return gpu_swiglu.swiglu_experts(x, w_gate, w_up, w_down, experts, valid, expert_offset, tiling=tiling,
+                                         interpret=interpret)
+    return reference.swiglu_experts(x, w_gate, w_up, w_down, experts, valid, expert_offset)
 
 
 __all__ = ["GpuTiling", "QuantizedExperts", "TpuTiling", "dequantize", "gather_matmul", "grouped_matmul",
-           "quantize_experts", "reference", "resolve_impl", "swiglu_pairs"]
+           "quantize_experts", "reference", "resolve_impl", "swiglu_experts"]

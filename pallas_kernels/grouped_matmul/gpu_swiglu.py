@@ -1,8 +1,8 @@
 """The MoE decode step's experts as one Mosaic GPU kernel: per (token, expert) pair, gate, up, SwiGLU and down.
 
-    parts [S, P, D] f32 = swiglu_pairs(x [R, D], w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D],
-                                       rows [P], experts [P])
-    out[p] = sum_s parts[s, p]   (= silu(x[r] @ Wg[e]) * (x[r] @ Wu[e]) @ Wd[e], r = rows[p], e = experts[p])
+    parts [S, k, T, D] f32 = swiglu_experts(x [T, D], w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D],
+                                            experts [T, k], valid [T], expert_offset)
+    sum_s parts[s, j, t] = silu(x[t] @ Wg[e]) @ ... = SwiGLU expert e of token t, e = experts[t, j] - expert_offset
 
 Why one kernel: at batch 1 an MoE layer's experts were three `gather_matmul` launches plus the SwiGLU and the
 picks of their transposed tiles between them, ~9 kernels whose launch gaps and ramps cost more than the
@@ -10,20 +10,24 @@ bytes they move (docs/PERFORMANCE.md, issue 13). SwiGLU is elementwise in F, so 
 way through: the down projection's K dimension is F, and each slice's contribution to the output is a
 partial sum.
 
-A CTA is one pair and one slice of `tile_f` intermediate channels (grid (P, F / tile_f)):
+A CTA is one (token, slot) pair and one slice of `tile_f` intermediate channels (grid (k, T, F / tile_f)):
 1. gate and up: `g, u [64, tile_f] = x[row0 : row0 + 64] @ Wg[e][:, slice], ... @ Wu[e][:, slice]`, a
    pipeline over D in `tile_k` steps. wgmma's M side is 64 rows, and a pair has one row: the x tile is the 8-row
-   block holding it (row0 = rows[p] rounded down to 8, the TMA tiling of a swizzled tile; the TMA zero-fills
+   block holding it (row0 = the token rounded down to 8, the TMA tiling of a swizzled tile; the TMA zero-fills
    the rest past the last row), and rows are independent, so the other 63 rows cost tensor-core time only
    (the kernel is bound by the weight bytes, ~3x over the matmul time at Qwen3-30B-A3B's shapes).
 2. h = silu(g) * u, in registers, cast to the weights' dtype: the A operand of the next wgmma as it stands
    (the attention kernels' P @ V pattern), so h never goes through memory.
-3. down: `y [64, tile_d] = h @ Wd[e][slice, d tile]` for each `tile_d` block of D (a second pipeline); row
-   rows[p] - row0 of y goes to `parts[slice, p, d tile]` through a two-slot SMEM tile and a one-row TMA store.
-Pairs with an expert outside [0, E) (padding tokens, other devices' experts) exit at once and leave their
-rows unwritten: the caller masks them (the MoE combine does, with `where`).
+3. down, per `tile_d` block of D (a second pipeline): "cols" (the default) stages h once in SMEM and computes
+   `y^T [tile_d, 8] = Wd[e][slice, d tile]^T @ (rows 0..7 of h)^T`, D channels on wgmma's M side as in
+   gather_matmul, then picks the token's column with a masked row sum in registers; "rows" computes
+   `y [64, tile_d] = h @ Wd[e][slice, d tile]` with h in registers and stores all 64 rows to SMEM. Either way one
+   [tile_d] row goes to `parts[slice, slot, token, d tile]` through a two-slot SMEM buffer and a TMA store.
+Pairs of padding tokens (valid false) or with an expert held elsewhere (expert parallelism) exit at once and
+leave their rows unwritten: the caller masks them (the MoE combine does, with `where`). The pairs are laid out
+slot-major ([k, T]), so the combine's sum over slices and slots is over the two leading axes: one reduction.
 
-The caller sums the S = F / tile_f partials in the fusion that weights and adds the k slots of each token,
+The caller sums the S = F / tile_f partials in the reduction that weights and adds the k slots of each token,
 so the kernel needs no cross-CTA reduction. 16-bit weights only (`supported`); quantized experts keep the
 three-launch `gather_matmul` path. Interpret mode (CPU) computes step 3's product with a plain dot: the
 interpreter's wgmma reads only SMEM operands.
@@ -183,49 +187,51 @@ def _down_rows(h, d_gmem, o_gmem, o_smem, *, p, r, c, t: SwigluTiling, interpret
     plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel(experts_ref, rows_ref, x_gmem, g_gmem, u_gmem, d_gmem, o_gmem, o_smem, *h_smem, t: SwigluTiling,
-            interpret):
-    # experts_ref, rows_ref [P] i32; x_gmem [Rp, D]; g_gmem, u_gmem [E, D, F]; d_gmem [E, F, D];
-    # o_gmem [S, P, D] f32; o_smem [2, tile_d] f32 ("cols", with h_smem [64, tile_f]) or [2, 64, tile_d] f32.
+def _kernel(experts_ref, valid_ref, offset_ref, x_gmem, g_gmem, u_gmem, d_gmem, o_gmem, o_smem, *h_smem,
+            t: SwigluTiling, interpret):
+    # experts_ref [T, k] i32 global expert ids; valid_ref [T] i32; offset_ref [1] i32 (the first local expert);
+    # x_gmem [Tp, D]; g_gmem, u_gmem [E, D, F]; d_gmem [E, F, D]; o_gmem [S, k, T, D] f32;
+    # o_smem [2, tile_d] f32 ("cols", with h_smem [64, tile_f]) or [2, 64, tile_d] f32.
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    p, c = jax.lax.axis_index("p"), jax.lax.axis_index("c")
-    expert, row = experts_ref[p], rows_ref[p]
-    row0 = row // _ROW_ALIGN * _ROW_ALIGN
+    slot, token, c = (jax.lax.axis_index(a) for a in ("s", "t", "c"))
+    expert = experts_ref[token, slot] - offset_ref[0]
+    row0 = token // _ROW_ALIGN * _ROW_ALIGN
 
-    @pl.when(expert >= 0)
+    @pl.when((valid_ref[token] != 0) & (expert >= 0) & (expert < g_gmem.shape[0]))
     def _():
         gate_up = functools.partial(_gate_up, x_gmem=x_gmem, g_gmem=g_gmem.at[expert], u_gmem=u_gmem.at[expert],
                                     row0=row0, c=c, t=t)
         acc = plgpu.ACC((_ROWS, t.tile_f), jnp.float32)
         g, u = pl.run_scoped(gate_up, acc, acc)  # [64, tf] each
         h = _silu_times(g, u).astype(x_gmem.dtype)  # [64, tf]: A operand of the down wgmma, in registers
-        down = dict(p=p, r=row - row0, c=c, t=t, interpret=interpret)
+        down = dict(p=token, r=token - row0, c=c, t=t, interpret=interpret)
         if t.down == "cols":
-            _down_cols(h, h_smem[0], d_gmem.at[expert], o_gmem.at[c], o_smem, **down)
+            _down_cols(h, h_smem[0], d_gmem.at[expert], o_gmem.at[c, slot], o_smem, **down)
         else:
-            _down_rows(h, d_gmem.at[expert], o_gmem.at[c], o_smem, **down)
+            _down_rows(h, d_gmem.at[expert], o_gmem.at[c, slot], o_smem, **down)
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
-def swiglu_pairs(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, rows: jax.Array,
-                 experts: jax.Array, *, tiling: SwigluTiling | None = None, interpret: bool = False) -> jax.Array:
-    """[F / tile_f, P, D] float32 partial sums of each pair's SwiGLU expert (module docstring); the rows of
-    pairs whose expert is outside [0, E) are left unwritten (mask them)."""
+def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, experts: jax.Array,
+                   valid: jax.Array | None = None, expert_offset: jax.Array | int = 0, *,
+                   tiling: SwigluTiling | None = None, interpret: bool = False) -> jax.Array:
+    """[F / tile_f, k, T, D] float32 partial sums of each token's k SwiGLU experts (module docstring): x [T, D],
+    experts [T, k] global ids of which the weights hold expert_offset .. + E - 1, valid [T] bool (None: all).
+    Slots of invalid tokens or of experts held elsewhere are left unwritten (mask them)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     if not supported(x, w_gate, w_up, w_down):
         raise NotImplementedError("the fused SwiGLU kernel takes 16-bit x and weights of its dtype, D % 128 == 0 "
                                   f"and F % 64 == 0; got {x.dtype} x, {w_gate.dtype} weights, shape {w_gate.shape}")
     e, d, f = w_gate.shape
-    t = tiling or default_tiling(rows.shape[0], f)
+    tokens, top_k = experts.shape
+    t = tiling or default_tiling(tokens * top_k, f)
     check_tiling(t, d, f)
-    m = x.shape[0]
-    x = jnp.pad(x, ((0, -(-m // _ROW_ALIGN) * _ROW_ALIGN - m), (0, 0)))  # [Rp, D]: the TMA tiles rows by 8
-    experts = experts.astype(jnp.int32)
-    experts = jnp.where((experts >= 0) & (experts < e), experts, -1)  # [P]
-    p = rows.shape[0]
+    x = jnp.pad(x, ((0, -(-tokens // _ROW_ALIGN) * _ROW_ALIGN - tokens), (0, 0)))  # [Tp, D]: TMA tiles rows by 8
+    valid = jnp.ones((tokens,), jnp.int32) if valid is None else valid.astype(jnp.int32)
+    offset = jnp.reshape(jnp.asarray(expert_offset, jnp.int32), (1,))
     if t.down == "cols":
         scratch = [plgpu.SMEM((2, t.tile_d), jnp.float32),
                    plgpu.SMEM((_ROWS, t.tile_f), x.dtype, transforms=_transforms(x.dtype, t.tile_f))]
@@ -233,9 +239,9 @@ def swiglu_pairs(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.A
         scratch = [plgpu.SMEM((2, _ROWS, t.tile_d), jnp.float32)]
     return plgpu.kernel(
         functools.partial(_kernel, t=t, interpret=bool(interpret)),
-        out_type=jax.ShapeDtypeStruct((f // t.tile_f, p, d), jnp.float32),
+        out_type=jax.ShapeDtypeStruct((f // t.tile_f, top_k, tokens, d), jnp.float32),
         scratch_types=scratch,
-        grid=(p, f // t.tile_f), grid_names=("p", "c"),
+        grid=(top_k, tokens, f // t.tile_f), grid_names=("s", "t", "c"),
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(interpret),
-    )(experts, rows.astype(jnp.int32), x, w_gate, w_up, w_down)
+    )(experts.astype(jnp.int32), valid, offset, x, w_gate, w_up, w_down)

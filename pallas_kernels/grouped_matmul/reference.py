@@ -144,14 +144,21 @@ def gather_matmul(lhs: jax.Array, rhs, rows: jax.Array, experts: jax.Array, *,
     return jnp.where(live[:, None], out, 0).astype(output_dtype(lhs, preferred_element_type))
 
 
-def swiglu_pairs(lhs: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, rows: jax.Array,
-                 experts: jax.Array) -> jax.Array:
-    """The specification of the fused per-pair SwiGLU: for each pair p with e = experts[p] in [0, G),
-    silu(lhs[rows[p]] @ w_gate[e]) * (lhs[rows[p]] @ w_up[e]) @ w_down[e], in float32, zeros for the other
-    pairs; returned as a single partial sum [1, P, D] (the kernel's form: sum over the first axis)."""
+
+def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, experts: jax.Array,
+                   valid: jax.Array | None = None, expert_offset: jax.Array | int = 0) -> jax.Array:
+    """The specification of the fused MoE SwiGLU: for token t's slot j with e = experts[t, j] - expert_offset in
+    [0, G) and valid[t], silu(x[t] @ w_gate[e]) * (x[t] @ w_up[e]) @ w_down[e] in float32, zeros for the other
+    pairs; returned as a single partial sum, slot-major: [1, k, T, D] (the kernel's form)."""
     f32 = jnp.float32
-    gate = gather_matmul(lhs, w_gate, rows, experts, preferred_element_type=f32)  # [P, F]
-    up = gather_matmul(lhs, w_up, rows, experts, preferred_element_type=f32)  # [P, F]
-    hidden = jax.nn.silu(gate) * up  # [P, F]
+    tokens, top_k = experts.shape
+    local = (experts - expert_offset).T.reshape(-1)  # [k*T], slot-major
+    if valid is not None:
+        local = jnp.where(jnp.tile(valid, top_k), local, -1)
+    rows = jnp.tile(jnp.arange(tokens, dtype=jnp.int32), top_k)  # [k*T]: pair j*T + t is token t
+    gate = gather_matmul(x, w_gate, rows, local, preferred_element_type=f32)  # [k*T, F]
+    up = gather_matmul(x, w_up, rows, local, preferred_element_type=f32)  # [k*T, F]
+    hidden = jax.nn.silu(gate) * up  # [k*T, F]
     pairs = jnp.arange(rows.shape[0], dtype=jnp.int32)
-    return gather_matmul(hidden, w_down, pairs, experts, preferred_element_type=f32)[None]  # [1, P, D]
+    out = gather_matmul(hidden, w_down, pairs, local, preferred_element_type=f32)  # [k*T, D]
+    return out.reshape(1, top_k, tokens, -1)

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.models.moe import PAIR_PATH_MAX_PAIRS, MoEWeights, PairKernel, expert_token_counts, moe_block, route
+from jaxinfer.models.moe import (PAIR_PATH_MAX_PAIRS, MoEWeights, PairKernel, expert_token_counts, moe_block, moe_partial,
+                                 route)
 from moe_reference import reference_moe, reference_routing
 
 T, D, F, E = 13, 16, 8, 8
@@ -127,21 +128,24 @@ def test_bfloat16_activations_route_in_float32() -> None:
 def _pair_kernel(takes=lambda lhs, rhs: True, calls=None, fused=False):
     """The reference per-pair matmul as a PairKernel (records its calls' pair counts); fused: with the
     reference fused SwiGLU too, its calls recorded as ("swiglu", pairs)."""
-    from pallas_kernels.grouped_matmul import gather_matmul, swiglu_pairs
+    from pallas_kernels.grouped_matmul import gather_matmul, swiglu_experts
 
     def matmul(lhs, rhs, rows, experts):
         if calls is not None:
             calls.append(rows.shape[0])
         return gather_matmul(lhs, rhs, rows, experts, impl="reference")
 
-    def swiglu(x, w_gate, w_up, w_down, rows, experts):
+    def swiglu(x, w_gate, w_up, w_down, experts, valid, expert_offset):
         if calls is not None:
-            calls.append(("swiglu", rows.shape[0]))
-        parts = swiglu_pairs(x, w_gate, w_up, w_down, rows, experts, impl="reference")  # [1, P, D]
-        # Two partial sums with garbage in the skipped pairs' rows, as the GPU kernel leaves them.
-        skipped = ((experts < 0) | (experts >= w_gate.shape[0]))[None, :, None]
-        halves = jnp.concatenate([parts / 2, parts / 2])  # [2, P, D]
-        return jnp.where(skipped, jnp.nan, halves)
+            calls.append(("swiglu", experts.shape))
+        parts = swiglu_experts(x, w_gate, w_up, w_down, experts, valid, expert_offset, impl="reference")
+        # Two partial sums with garbage in the rows of skipped pairs, as the GPU kernel leaves them.
+        local = experts.T - expert_offset  # [k, T]
+        skipped = (local < 0) | (local >= w_gate.shape[0])
+        if valid is not None:
+            skipped |= ~valid[None, :]
+        halves = jnp.concatenate([parts / 2, parts / 2])  # [2, k, T, D]
+        return jnp.where(skipped[None, :, :, None], jnp.nan, halves)
     return PairKernel(matmul, takes, swiglu=swiglu if fused else None, swiglu_takes=lambda *a: fused)
 
 
@@ -171,9 +175,26 @@ def test_fused_pair_path_equals_the_grouped_path(top_k: int, renorm: bool) -> No
     ours, counts = moe_block(jnp.asarray(x), w, top_k=top_k, norm_topk_prob=renorm, valid=valid,
                              pair_kernel=_pair_kernel(calls=calls, fused=True))
     ref, ref_counts = moe_block(jnp.asarray(x), w, top_k=top_k, norm_topk_prob=renorm, valid=valid)
-    assert calls == [("swiglu", T * top_k)]
+    assert calls == [("swiglu", (T, top_k))]
     np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(ours)[10:], 0.0)
+    np.testing.assert_array_equal(np.asarray(counts), np.asarray(ref_counts))
+
+
+def test_fused_pair_path_with_an_expert_offset_equals_the_grouped_path() -> None:
+    """Expert parallelism's partial: the upper half of the experts on this device, the fused form told the
+    offset, equals the grouped path's partial of the same half."""
+    x, w = random_moe(11)
+    half = jax.tree.map(lambda a: a[E // 2:], w)
+    half = MoEWeights(router=w.router, w_gate=half.w_gate, w_up=half.w_up, w_down=half.w_down)
+    routing = route(jnp.asarray(x), w.router, 2, True)
+    valid = jnp.arange(T) < 9
+    calls = []
+    ours, counts = moe_partial(jnp.asarray(x), half, routing, valid=valid, expert_offset=E // 2,
+                               pair_kernel=_pair_kernel(calls=calls, fused=True))
+    ref, ref_counts = moe_partial(jnp.asarray(x), half, routing, valid=valid, expert_offset=E // 2)
+    assert calls == [("swiglu", (T, 2))]
+    np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(ref_counts))
 
 
@@ -192,7 +213,7 @@ def test_pair_path_with_the_gpu_kernel_in_interpret_mode() -> None:
     """The engine's GPU pair kernel (Mosaic GPU interpreter on CPU) at a bf16 decode step: 16 token rows of
     which 3 are real, top-4 of 8 experts, D and F on the kernel's 64 grid; the three-launch form and the fused
     SwiGLU kernel."""
-    from pallas_kernels.grouped_matmul import gather_matmul, swiglu_pairs
+    from pallas_kernels.grouped_matmul import gather_matmul, swiglu_experts
     from pallas_kernels.grouped_matmul import gpu as gmm_gpu
     from pallas_kernels.grouped_matmul import gpu_swiglu as gmm_swiglu
 
@@ -207,7 +228,7 @@ def test_pair_path_with_the_gpu_kernel_in_interpret_mode() -> None:
     ref, _ = moe_block(x, w, top_k=4, norm_topk_prob=True, valid=valid)
     ref = np.asarray(ref, np.float32)
     three = PairKernel(lambda *a: gather_matmul(*a, impl="pallas_gpu", interpret=True), gmm_gpu.supported)
-    fused = dataclasses.replace(three, swiglu=lambda *a: swiglu_pairs(*a, impl="pallas_gpu", interpret=True),
+    fused = dataclasses.replace(three, swiglu=lambda *a: swiglu_experts(*a, impl="pallas_gpu", interpret=True),
                                 swiglu_takes=gmm_swiglu.supported)  # as the runner builds it on a GPU
     for kernel in (three, fused):
         ours, _ = moe_block(x, w, top_k=4, norm_topk_prob=True, valid=valid, pair_kernel=kernel)

@@ -16,7 +16,7 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.grouped_matmul import (GpuTiling, QuantizedExperts, TpuTiling, dequantize, gather_matmul,
-                                           grouped_matmul, quantize_experts, resolve_impl, swiglu_pairs, tuning)
+                                           grouped_matmul, quantize_experts, resolve_impl, swiglu_experts, tuning)
 from pallas_kernels.grouped_matmul import gpu, gpu_swiglu, tpu
 
 QWEN_EXPERTS = 128  # Qwen3-30B-A3B: 128 experts, top-8, hidden 2048, moe_intermediate_size 768
@@ -527,7 +527,7 @@ def test_gpu_gather_matmul_matches_reference_at_qwen3_decode(rng, tokens, live, 
     assert _rel(got, want) < 1e-2, _rel(got, want)
 
 
-# ----------------------------------------------------------------------------- fused per-pair SwiGLU (swiglu_pairs)
+# ----------------------------------------------------------------------------- fused MoE SwiGLU (swiglu_experts)
 
 
 def _swiglu_weights(key, groups, d, f, dtype=jnp.bfloat16):
@@ -537,55 +537,73 @@ def _swiglu_weights(key, groups, d, f, dtype=jnp.bfloat16):
     return draw(kg, (groups, d, f), d), draw(ku, (groups, d, f), d), draw(kd, (groups, f, d), f)
 
 
-def _swiglu_oracle(x, wg, wu, wd, rows, experts) -> np.ndarray:
-    """float64: silu(x[r] @ Wg[e]) * (x[r] @ Wu[e]) @ Wd[e] per live pair, zeros elsewhere; [P, D]."""
+def _routing(rng, tokens, top_k, experts, offset=0):
+    """Global expert ids [T, k] (distinct per token) over experts + 2 * offset ids, so with an offset some land
+    below and above the local range; valid [T] with the last quarter of the tokens (at least one) padding."""
+    ids = np.argsort(rng.random((tokens, experts + 2 * offset)), axis=1)[:, :top_k].astype(np.int32)
+    valid = np.arange(tokens) < max(1, tokens - max(1, tokens // 4))
+    return jnp.asarray(ids), jnp.asarray(valid)
+
+
+def _swiglu_oracle(x, wg, wu, wd, experts, valid, offset=0) -> np.ndarray:
+    """float64, slot-major [k, T, D]: silu(x[t] @ Wg[e]) * (x[t] @ Wu[e]) @ Wd[e] per live pair, zeros elsewhere."""
     f64 = lambda a: np.asarray(jnp.asarray(a, jnp.float32), np.float64)  # noqa: E731
     x, wg, wu, wd = map(f64, (x, wg, wu, wd))
-    out = np.zeros((len(rows), x.shape[1]))
-    for p, (r, e) in enumerate(zip(np.asarray(rows), np.asarray(experts))):
-        if 0 <= e < wg.shape[0]:
-            g, u = x[r] @ wg[e], x[r] @ wu[e]
-            out[p] = (g / (1 + np.exp(-g)) * u) @ wd[e]
+    tokens, top_k = experts.shape
+    out = np.zeros((top_k, tokens, x.shape[1]))
+    for t in range(tokens):
+        for j in range(top_k):
+            e = int(experts[t, j]) - offset
+            if valid[t] and 0 <= e < wg.shape[0]:
+                g, u = x[t] @ wg[e], x[t] @ wu[e]
+                out[j, t] = (g / (1 + np.exp(-g)) * u) @ wd[e]
     return out
 
 
-def test_swiglu_pairs_reference_matches_float64_oracle(rng):
-    rows, experts = _pairs(rng, 5, 3, 6)
+def _live(experts, valid, offset, groups) -> np.ndarray:
+    """[k, T] bool: the pairs a kernel computes."""
+    local = np.asarray(experts).T - offset
+    return (local >= 0) & (local < groups) & np.asarray(valid)[None, :]
+
+
+def test_swiglu_experts_reference_matches_float64_oracle(rng):
+    experts, valid = _routing(rng, 5, 3, 6, offset=2)
     x = jnp.asarray(rng.standard_normal((5, 32)), jnp.float32)
     wg, wu, wd = _swiglu_weights(jax.random.key(int(rng.integers(2**31))), 6, 32, 24, jnp.float32)
-    got = swiglu_pairs(x, wg, wu, wd, rows, experts, impl="reference")
-    assert got.shape == (1, 15, 32) and got.dtype == jnp.float32
-    assert _rel(got[0], _swiglu_oracle(x, wg, wu, wd, rows, experts)) < 1e-6
+    got = swiglu_experts(x, wg, wu, wd, experts, valid, 2, impl="reference")
+    assert got.shape == (1, 3, 5, 32) and got.dtype == jnp.float32
+    assert _rel(got[0], _swiglu_oracle(x, wg, wu, wd, experts, valid, 2)) < 1e-6
 
 
-SWIGLU_INTERPRET_CASES = {  # tokens, top_k, experts, D, F, tiling or None (the default)
-    "default_tiles": (11, 3, 7, 256, 128, None),  # 33 pairs: 128-channel slices
-    "default_tiles_batch_1": (2, 8, 9, 256, 128, None),  # 16 pairs: 64-channel slices
-    "f128_k64": (6, 2, 4, 256, 256, gpu_swiglu.SwigluTiling(tile_f=128, tile_k=64, tile_d=128, stages=2)),
-    "d256": (5, 2, 3, 512, 64, gpu_swiglu.SwigluTiling(tile_f=64, tile_k=64, tile_d=256, stages=2)),
-    "rows_down": (9, 3, 5, 256, 128, gpu_swiglu.SwigluTiling(stages=2, down="rows")),
-    "one_k_step": (3, 4, 5, 128, 64, gpu_swiglu.SwigluTiling(tile_f=64, tile_k=128, tile_d=64, stages=2)),
+SWIGLU_INTERPRET_CASES = {  # tokens, top_k, experts, expert offset, D, F, tiling or None (the default)
+    "default_tiles": (11, 3, 7, 0, 256, 128, None),  # 33 pairs: 128-channel slices
+    "default_tiles_batch_1": (2, 8, 9, 0, 256, 128, None),  # 16 pairs: 64-channel slices
+    "expert_offset": (6, 2, 4, 3, 256, 256, gpu_swiglu.SwigluTiling(tile_f=128, tile_k=64, tile_d=128, stages=2)),
+    "one_k_step": (3, 4, 5, 0, 128, 64, gpu_swiglu.SwigluTiling(tile_f=64, tile_k=128, tile_d=64, stages=2)),
+    "d256": (5, 2, 3, 0, 512, 64, gpu_swiglu.SwigluTiling(tile_f=64, tile_k=64, tile_d=256, stages=2)),
+    "rows_down": (9, 3, 5, 0, 256, 128, gpu_swiglu.SwigluTiling(stages=2, down="rows")),
 }
 
 
 @pytest.mark.parametrize("name", list(SWIGLU_INTERPRET_CASES))
-def test_swiglu_pairs_gpu_kernel_in_interpret_mode_matches_oracle(rng, name):
-    """Pairs whose rows sit anywhere in their 8-row tile (rows past the last one zero-filled by the TMA),
-    shared and skipped experts (-1 and one past G), one and several K and D steps."""
-    tokens, top_k, groups, d, f, tiling = SWIGLU_INTERPRET_CASES[name]
-    rows, experts = _pairs(rng, tokens, top_k, groups)
+def test_swiglu_experts_gpu_kernel_in_interpret_mode_matches_oracle(rng, name):
+    """Tokens anywhere in their 8-row tile (rows past the last one zero-filled by the TMA), padding tokens,
+    experts held elsewhere (an offset), one and several K and D steps, both down orientations."""
+    tokens, top_k, groups, offset, d, f, tiling = SWIGLU_INTERPRET_CASES[name]
+    experts, valid = _routing(rng, tokens, top_k, groups, offset)
     x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.bfloat16)
     wg, wu, wd = _swiglu_weights(jax.random.key(int(rng.integers(2**31))), groups, d, f)
-    parts = swiglu_pairs(x, wg, wu, wd, rows, experts, impl="pallas_gpu", interpret=True, tiling=tiling)
+    parts = swiglu_experts(x, wg, wu, wd, experts, valid, offset, impl="pallas_gpu", interpret=True, tiling=tiling)
     slices = f // (tiling or gpu_swiglu.default_tiling(tokens * top_k, f)).tile_f
-    assert parts.shape == (slices, tokens * top_k, d) and parts.dtype == jnp.float32
-    live = np.asarray((experts >= 0) & (experts < groups))
+    assert parts.shape == (slices, top_k, tokens, d) and parts.dtype == jnp.float32
+    live = _live(experts, valid, offset, groups)
+    assert 0 < live.sum() < live.size
     got = np.asarray(parts.sum(axis=0))[live]
-    want = _swiglu_oracle(x, wg, wu, wd, rows, experts)[live]
+    want = _swiglu_oracle(x, wg, wu, wd, experts, valid, offset)[live]
     assert np.isfinite(got).all() and _rel(got, want) < 1e-2, _rel(got, want)
 
 
-def test_swiglu_pairs_takes_16_bit_weights_only_and_checks_tilings():
+def test_swiglu_experts_takes_16_bit_weights_only_and_checks_tilings():
     x = jax.ShapeDtypeStruct((2, 2048), jnp.bfloat16)
     wg = jax.ShapeDtypeStruct((128, 2048, 768), jnp.bfloat16)
     wd = jax.ShapeDtypeStruct((128, 768, 2048), jnp.bfloat16)
@@ -603,45 +621,6 @@ def test_swiglu_pairs_takes_16_bit_weights_only_and_checks_tilings():
         gpu_swiglu.check_tiling(gpu_swiglu.SwigluTiling(down="sideways"), 2048, 768)
 
 
-@pytest.mark.parametrize("d, f, tiling", [
-    (2048, 768, None),  # Qwen3-30B-A3B
-    (4096, 14336, None),  # Mixtral-8x7B
-    (2048, 768, gpu_swiglu.SwigluTiling(tile_f=128, tile_k=64, tile_d=128, stages=3)),
-    (2048, 768, gpu_swiglu.SwigluTiling(down="rows")),
-])
-def test_swiglu_pairs_lowers_for_cuda(d, f, tiling):
-    x = jax.ShapeDtypeStruct((2, d), jnp.bfloat16)
-    wg = jax.ShapeDtypeStruct((8, d, f), jnp.bfloat16)
-    wd = jax.ShapeDtypeStruct((8, f, d), jnp.bfloat16)
-    pairs = jax.ShapeDtypeStruct((16,), jnp.int32)
-    lowered = jax.jit(lambda *a: gpu_swiglu.swiglu_pairs(*a, tiling=tiling)).trace(x, wg, wg, wd, pairs, pairs).lower(
-        lowering_platforms=("cuda",))
-    assert "mosaic_gpu" in lowered.as_text()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tiling", [None, gpu_swiglu.SwigluTiling(tile_f=128, tile_k=64, tile_d=128, stages=3),
-                                    gpu_swiglu.SwigluTiling(down="rows")])
-@pytest.mark.parametrize("tokens, live", [(2, 1), (16, 1), (16, 8), (16, 16)])
-def test_gpu_swiglu_pairs_matches_reference_at_qwen3_decode(rng, tokens, live, tiling):
-    """The engine's decode buckets: `tokens` rows x top-8 of 128 experts, `live` of them real."""
-    d, f = 2048, 768
-    rows, experts = _pairs(rng, tokens, 8, QWEN_EXPERTS, skip=0.0)
-    experts = jnp.where(rows < live, experts, -1)
-    x = jax.random.normal(jax.random.key(int(rng.integers(2**31))), (tokens, d), jnp.bfloat16)
-    wg, wu, wd = _swiglu_weights(jax.random.key(int(rng.integers(2**31))), QWEN_EXPERTS, d, f)
-    parts = swiglu_pairs(x, wg, wu, wd, rows, experts, impl="pallas_gpu", tiling=tiling)
-    keep = np.asarray((experts >= 0) & (experts < QWEN_EXPERTS))
-    got = np.asarray(parts.sum(axis=0))[keep]
-    # The three-launch kernel path as the device reference: exact bf16 products, fp32 sums.
-    gate = gather_matmul(x, wg, rows, experts, impl="pallas_gpu", preferred_element_type=jnp.float32)
-    up = gather_matmul(x, wu, rows, experts, impl="pallas_gpu", preferred_element_type=jnp.float32)
-    hidden = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
-    want = gather_matmul(hidden, wd, jnp.arange(rows.shape[0], dtype=jnp.int32), experts, impl="pallas_gpu",
-                         preferred_element_type=jnp.float32)
-    assert np.isfinite(got).all() and _rel(got, np.asarray(want)[keep]) < 1e-2
-
-
 def test_swiglu_default_tiling_by_pairs():
     """64-channel slices for the batch-1 bucket's 16 pairs, 128 above it where F allows; both fit SMEM."""
     assert gpu_swiglu.default_tiling(16, 768).tile_f == 64
@@ -649,3 +628,44 @@ def test_swiglu_default_tiling_by_pairs():
     assert gpu_swiglu.default_tiling(128, 64 * 5).tile_f == 64  # 320 channels: no 128 slices
     for pairs, f in ((16, 768), (128, 768), (128, 14336)):
         gpu_swiglu.check_tiling(gpu_swiglu.default_tiling(pairs, f), 2048, f)
+
+
+@pytest.mark.parametrize("d, f, tiling", [
+    (2048, 768, None),  # Qwen3-30B-A3B
+    (4096, 14336, None),  # Mixtral-8x7B
+    (2048, 768, gpu_swiglu.SwigluTiling(tile_f=128, tile_k=64, tile_d=128, stages=3)),
+    (2048, 768, gpu_swiglu.SwigluTiling(down="rows")),
+])
+def test_swiglu_experts_lowers_for_cuda(d, f, tiling):
+    x = jax.ShapeDtypeStruct((2, d), jnp.bfloat16)
+    wg = jax.ShapeDtypeStruct((8, d, f), jnp.bfloat16)
+    wd = jax.ShapeDtypeStruct((8, f, d), jnp.bfloat16)
+    experts, valid = jax.ShapeDtypeStruct((2, 8), jnp.int32), jax.ShapeDtypeStruct((2,), jnp.bool_)
+    call = lambda *a: gpu_swiglu.swiglu_experts(*a, expert_offset=0, tiling=tiling)  # noqa: E731
+    lowered = jax.jit(call).trace(x, wg, wg, wd, experts, valid).lower(lowering_platforms=("cuda",))
+    assert "mosaic_gpu" in lowered.as_text()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling", [None, gpu_swiglu.SwigluTiling(tile_f=128, tile_k=64, tile_d=128, stages=3),
+                                    gpu_swiglu.SwigluTiling(down="rows")])
+@pytest.mark.parametrize("tokens, live", [(2, 1), (16, 1), (16, 8), (16, 16)])
+def test_gpu_swiglu_experts_matches_reference_at_qwen3_decode(rng, tokens, live, tiling):
+    """The engine's decode buckets: `tokens` rows x top-8 of 128 experts, `live` of them real."""
+    d, f = 2048, 768
+    experts, _ = _routing(rng, tokens, 8, QWEN_EXPERTS)
+    valid = jnp.arange(tokens) < live
+    x = jax.random.normal(jax.random.key(int(rng.integers(2**31))), (tokens, d), jnp.bfloat16)
+    wg, wu, wd = _swiglu_weights(jax.random.key(int(rng.integers(2**31))), QWEN_EXPERTS, d, f)
+    parts = swiglu_experts(x, wg, wu, wd, experts, valid, impl="pallas_gpu", tiling=tiling)
+    keep = _live(experts, valid, 0, QWEN_EXPERTS)
+    got = np.asarray(parts.sum(axis=0))[keep]
+    # The three-launch kernel path as the device reference: exact bf16 products, fp32 sums.
+    local = jnp.where(jnp.asarray(keep), experts.T, -1).reshape(-1)  # [k*T], slot-major
+    rows = jnp.tile(jnp.arange(tokens, dtype=jnp.int32), 8)
+    gate = gather_matmul(x, wg, rows, local, impl="pallas_gpu", preferred_element_type=jnp.float32)
+    up = gather_matmul(x, wu, rows, local, impl="pallas_gpu", preferred_element_type=jnp.float32)
+    hidden = (jax.nn.silu(gate) * up).astype(jnp.bfloat16)
+    want = gather_matmul(hidden, wd, jnp.arange(rows.shape[0], dtype=jnp.int32), local, impl="pallas_gpu",
+                         preferred_element_type=jnp.float32).reshape(8, tokens, d)
+    assert np.isfinite(got).all() and _rel(got, np.asarray(want)[keep]) < 1e-2
