@@ -25,7 +25,7 @@ import jax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from jaxinfer.models.moe import (GroupedMatmul, MoEFn, MoEWeights, PairKernel, expert_token_counts, moe_block,
-                                 moe_partial, route)
+                                 moe_partial, step_routing)
 from jaxinfer.sharding import Logical, ShardingRules, axis_size, flat_axes, model_axes
 from pallas_kernels.grouped_matmul import QuantizedExperts
 
@@ -57,7 +57,7 @@ def make_moe_fn(mesh: Mesh | None, rules: ShardingRules, expert_matmul: GroupedM
 
     def per_device(x: jax.Array, w: MoEWeights, valid: jax.Array | None, *, top_k: int,
                    norm_topk_prob: bool) -> tuple[jax.Array, jax.Array]:
-        routing = route(x, w.router, top_k, norm_topk_prob)  # the same on every device
+        routing = step_routing(x, w.router, top_k, norm_topk_prob, pair_kernel)  # the same on every device
         offset = jax.lax.axis_index(EXPERT) * w.w_gate.shape[0] if ep > 1 else 0
         partial, _ = moe_partial(x, w, routing, valid=valid, expert_offset=offset, expert_matmul=expert_matmul,
                                  pair_kernel=pair_kernel)

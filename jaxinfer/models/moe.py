@@ -46,6 +46,7 @@ from flax import struct
 from jaxinfer.models.common import AttentionMetadata
 from jaxinfer.params import ParamSpec
 from jaxinfer.sharding import Logical as L
+from pallas_kernels import moe_routing
 
 # (lhs [M, D], rhs [E, D, F], group_sizes [E] int32) -> [M, F]: rows of expert e are consecutive, experts in
 # order; rows past sum(group_sizes) are padding.
@@ -67,6 +68,9 @@ class PairKernel:
     # otherwise `matmul` runs three times.
     swiglu: Callable[..., jax.Array] | None = None
     swiglu_takes: Callable[..., bool] = lambda *operands: False
+    # The routing of such steps, or None: (logits [T, E] f32, top_k, renorm) -> (weights [T, k], experts [T, k]),
+    # pallas_kernels.moe_routing.top_k_routing on a GPU (one kernel where XLA runs a sort and two more).
+    select_top_k: Callable[..., tuple[jax.Array, jax.Array]] | None = None
 
 
 # Steps of at most this many (token, slot) pairs take the per-pair path when a PairKernel takes them: a decode
@@ -99,20 +103,24 @@ class Routing:
     experts: jax.Array  # [T, k] int32, best first
 
 
-def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool) -> Routing:
-    """Softmax over all experts in float32, the top-k of it, renormalized to sum 1 when asked."""
+def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool,
+          select_top_k: Callable[..., tuple[jax.Array, jax.Array]] | None = None) -> Routing:
+    """Softmax over all experts in float32, the top-k of it, renormalized to sum 1 when asked (computed as in
+    pallas_kernels.moe_routing.reference, or by `select_top_k` on the logits, e.g. its kernel)."""
     # Products of 16-bit values are exact in float32, so 16-bit operands summed in float32 give the float32
     # logits without a float32 copy of x and the router (a 4k-token prefill read twice the bytes that way).
     logits = jnp.einsum("td,de->te", x, router.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, E]
-    if norm_topk_prob:
-        # The softmax over all E experts is monotone and its denominator cancels in the renormalization, so
-        # the k best logits and a softmax over just those give the same experts and weights, without a
-        # softmax kernel over [T, E] in every layer of every decode step.
-        top, experts = jax.lax.top_k(logits, top_k)  # [T, k] each; ties go to the lower expert id
-        weights = jax.nn.softmax(top, axis=-1)
-    else:
-        weights, experts = jax.lax.top_k(jax.nn.softmax(logits, axis=-1), top_k)  # [T, k]
+    weights, experts = (select_top_k or moe_routing.reference)(logits, top_k, norm_topk_prob)  # [T, k] each
     return Routing(weights=weights, experts=experts.astype(jnp.int32))
+
+
+def step_routing(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool,
+                 pair_kernel: PairKernel | None) -> Routing:
+    """`route` for a step of x's tokens: with the pair kernel's own top-k where the step takes the per-pair path
+    (a decode step), so routing and experts come from the same set of kernels."""
+    small = x.shape[0] * top_k <= PAIR_PATH_MAX_PAIRS
+    select = pair_kernel.select_top_k if pair_kernel is not None and small else None
+    return route(x, router, top_k, norm_topk_prob, select)
 
 
 def expert_token_counts(experts: jax.Array, num_experts: int, valid: jax.Array | None = None) -> jax.Array:
@@ -233,7 +241,7 @@ def moe_block(
     pair_kernel: PairKernel | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """x [T, D] -> (MoE output [T, D] in x's dtype, per-expert token counts [E] int32)."""
-    routing = route(x, w.router, top_k, norm_topk_prob)
+    routing = step_routing(x, w.router, top_k, norm_topk_prob, pair_kernel)
     out, counts = moe_partial(x, w, routing, valid=valid, expert_matmul=expert_matmul,
                               pair_kernel=pair_kernel)  # [T, D] f32, [E]
     return out.astype(x.dtype), counts

@@ -129,6 +129,7 @@ def _pair_kernel(takes=lambda lhs, rhs: True, calls=None, fused=False):
     """The reference per-pair matmul as a PairKernel (records its calls' pair counts); fused: with the
     reference fused SwiGLU too, its calls recorded as ("swiglu", pairs)."""
     from pallas_kernels.grouped_matmul import gather_matmul, swiglu_experts
+    from pallas_kernels.moe_routing import top_k_routing
 
     def matmul(lhs, rhs, rows, experts):
         if calls is not None:
@@ -146,7 +147,12 @@ def _pair_kernel(takes=lambda lhs, rhs: True, calls=None, fused=False):
             skipped |= ~valid[None, :]
         halves = jnp.concatenate([parts / 2, parts / 2])  # [2, k, T, D]
         return jnp.where(skipped[None, :, :, None], jnp.nan, halves)
-    return PairKernel(matmul, takes, swiglu=swiglu if fused else None, swiglu_takes=lambda *a: fused)
+    def select_top_k(logits, top_k, renorm):
+        if calls is not None:
+            calls.append(("top_k", logits.shape))
+        return top_k_routing(logits, top_k, renorm, impl="reference")
+    return PairKernel(matmul, takes, swiglu=swiglu if fused else None, swiglu_takes=lambda *a: fused,
+                      select_top_k=select_top_k if fused else None)
 
 
 @pytest.mark.parametrize("top_k, renorm", [(2, True), (3, False)])
@@ -175,7 +181,7 @@ def test_fused_pair_path_equals_the_grouped_path(top_k: int, renorm: bool) -> No
     ours, counts = moe_block(jnp.asarray(x), w, top_k=top_k, norm_topk_prob=renorm, valid=valid,
                              pair_kernel=_pair_kernel(calls=calls, fused=True))
     ref, ref_counts = moe_block(jnp.asarray(x), w, top_k=top_k, norm_topk_prob=renorm, valid=valid)
-    assert calls == [("swiglu", (T, top_k))]
+    assert calls == [("top_k", (T, E)), ("swiglu", (T, top_k))]  # the step's routing by the kernel's top-k too
     np.testing.assert_allclose(np.asarray(ours), np.asarray(ref), rtol=1e-5, atol=1e-6)
     np.testing.assert_array_equal(np.asarray(ours)[10:], 0.0)
     np.testing.assert_array_equal(np.asarray(counts), np.asarray(ref_counts))
@@ -212,10 +218,11 @@ def test_pair_path_only_for_small_steps_and_operands_it_takes() -> None:
 def test_pair_path_with_the_gpu_kernel_in_interpret_mode() -> None:
     """The engine's GPU pair kernel (Mosaic GPU interpreter on CPU) at a bf16 decode step: 16 token rows of
     which 3 are real, top-4 of 8 experts, D and F on the kernel's 64 grid; the three-launch form and the fused
-    SwiGLU kernel."""
+    SwiGLU kernel with the routing kernel, as the runner builds them on a GPU."""
     from pallas_kernels.grouped_matmul import gather_matmul, swiglu_experts
     from pallas_kernels.grouped_matmul import gpu as gmm_gpu
     from pallas_kernels.grouped_matmul import gpu_swiglu as gmm_swiglu
+    from pallas_kernels.moe_routing import top_k_routing
 
     r = np.random.default_rng(9)
     d, f, e, t = 128, 64, 8, 16
@@ -229,7 +236,8 @@ def test_pair_path_with_the_gpu_kernel_in_interpret_mode() -> None:
     ref = np.asarray(ref, np.float32)
     three = PairKernel(lambda *a: gather_matmul(*a, impl="pallas_gpu", interpret=True), gmm_gpu.supported)
     fused = dataclasses.replace(three, swiglu=lambda *a: swiglu_experts(*a, impl="pallas_gpu", interpret=True),
-                                swiglu_takes=gmm_swiglu.supported)  # as the runner builds it on a GPU
+                                swiglu_takes=gmm_swiglu.supported,
+                                select_top_k=lambda *a: top_k_routing(*a, impl="pallas_gpu", interpret=True))
     for kernel in (three, fused):
         ours, _ = moe_block(x, w, top_k=4, norm_topk_prob=True, valid=valid, pair_kernel=kernel)
         ours = np.asarray(ours, np.float32)
