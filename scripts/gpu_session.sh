@@ -118,7 +118,7 @@ for section in "$@"; do
       run swiglu_tests 240 python3 -m pytest -q -m gpu -k "swiglu or gather or routing" tests/pallas_kernels/test_grouped_matmul.py \
         tests/pallas_kernels/test_moe_routing.py
       run swiglu_block 300 python3 scripts/profile_moe_block.py --cases 2:1,16:1,16:8 --out "$OUT/moe_block_swiglu.json" \
-        --impls ${SWIGLU_IMPLS:-engine,engine_sort,pairs3,engine:64x128x128x3xrows,engine:128x64x128x3} ;;
+        --impls ${SWIGLU_IMPLS:-engine,engine_topk,pairs3,engine:64x128x128x3xrows,engine:128x64x128x3} ;;
     describe)
       run describe 300 python3 -c 'from jaxinfer import LLM; from jaxinfer.describe import format_description as f
 llm = LLM("llama-3-8b", random_weights=True, dtype="bfloat16", max_num_seqs=64, max_model_len=2048, decode_steps_per_call=8, use_tqdm=False)

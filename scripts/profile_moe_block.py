@@ -10,8 +10,8 @@ routed nowhere), a prefill chunk is all real. `--layers` distinct layers run bac
 program, as in a forward pass, so the figures include the gaps between kernels.
 
 For each case and expert implementation (`engine`: as the runner builds it, with the per-pair path for
-decode steps on a GPU, its experts one fused SwiGLU kernel and its routing one kernel; `engine_sort`: with
-XLA's top-k (a sort) instead of the routing kernel; `pairs3`: the per-pair path with three `gather_matmul`
+decode steps on a GPU, its experts one fused SwiGLU kernel; `engine_topk`: with the routing kernel
+(pallas_kernels.moe_routing) instead of XLA's top-k; `pairs3`: the per-pair path with three `gather_matmul`
 launches instead, the engine before the fused kernel; `grouped`: our grouped matmul at every step;
 `ragged_dot`: XLA's) it reports:
 - `us_per_layer`: wall time of the program over the layer count (median of batches of calls);
@@ -106,8 +106,8 @@ def active_expert_bytes(shape, tokens, dtype):
 def run_case(bucket, real, impl, shape, layers, dtype, sets, bw):
     expert_matmul, pair_kernel, name = jax.lax.ragged_dot, None, impl
     impl, _, tiles = impl.partition(":")  # engine:FxKxDxSTAGES times the fused kernel at another tiling
-    sort = impl == "engine_sort"  # the engine with XLA's top-k (a sort) instead of the routing kernel
-    impl = "engine" if sort else impl
+    topk = impl == "engine_topk"  # the engine with the routing kernel instead of XLA's top-k (a sort)
+    impl = "engine" if topk else impl
     fields = tiles.split("x") if tiles else []
     tiling = gmm_swiglu.SwigluTiling(*map(int, fields[:4]), *fields[4:]) if fields else None  # ...xrows: down
     if impl in ("engine", "grouped"):
@@ -117,7 +117,7 @@ def run_case(bucket, real, impl, shape, layers, dtype, sets, bw):
         if impl == "engine":
             fused = functools.partial(swiglu_experts, impl="pallas_gpu", tiling=tiling)
             pair_kernel = dataclasses.replace(pair_kernel, swiglu=fused, swiglu_takes=gmm_swiglu.supported,
-                                              select_top_k=None if sort else top_k_routing)
+                                              select_top_k=top_k_routing if topk else None)
     program = make_program(layers, shape["top_k"], real, expert_matmul, pair_kernel)
     xs = [jax.random.normal(jax.random.key(100 + i), (bucket, shape["hidden"]), jnp.float32).astype(dtype)
           for i in range(len(sets))]
@@ -146,10 +146,10 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="moe_block.json")
     parser.add_argument("--layers", type=int, default=8)
-    parser.add_argument("--impls", default="engine,engine_sort,pairs3,grouped,ragged_dot",
+    parser.add_argument("--impls", default="engine,engine_topk,pairs3,grouped,ragged_dot",
                         help="engine: as the runner builds it (the per-pair path for decode steps on a GPU, fused); "
                              "engine:FxKxDxSTAGES[xrows]: the fused kernel at that SwigluTiling; "
-                             "engine_sort: with XLA's top-k; pairs3: the per-pair path with three gather_matmul launches; "
+                             "engine_topk: with the routing kernel; pairs3: the per-pair path with three gather_matmul launches; "
                              "grouped: the grouped matmul at every step; ragged_dot: XLA's")
     parser.add_argument("--cases", default="", help="bucket:real pairs, comma-separated (default: the engine's)")
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, any backend")

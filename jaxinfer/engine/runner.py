@@ -61,7 +61,6 @@ from pallas_kernels.grouped_matmul import gather_matmul, grouped_matmul, swiglu_
 from pallas_kernels.grouped_matmul import gpu as gmm_gpu
 from pallas_kernels.grouped_matmul import gpu_swiglu as gmm_swiglu
 from pallas_kernels.grouped_matmul import resolve_impl as resolve_experts_impl
-from pallas_kernels.moe_routing import top_k_routing
 from pallas_kernels.ragged_paged_attention import resolve_impl
 
 
@@ -197,8 +196,10 @@ class ModelRunner(CompiledPrograms):
             pairs = PairKernel(functools.partial(gather_matmul, impl="pallas_gpu", interpret=interpret),
                                takes=gmm_gpu.supported,
                                swiglu=functools.partial(swiglu_experts, impl="pallas_gpu", interpret=interpret),
-                               swiglu_takes=gmm_swiglu.supported,
-                               select_top_k=functools.partial(top_k_routing, impl="auto", interpret=interpret))
+                               swiglu_takes=gmm_swiglu.supported)
+            # PairKernel.select_top_k (pallas_kernels.moe_routing, a Pallas Triton kernel) stays off: on one H200
+            # it took ~1 us a layer off the device time of a batch-1 step but not measurably off the loop's
+            # iteration (3.82 -> 3.81 ms), and the end-to-end effect was not A/B'd (docs/PERFORMANCE.md).
         self.moe_fn = make_moe_fn(mesh, rules, experts, pairs) if family.moe else None
         self.num_experts = cfg.num_experts if family.moe else 0
         self._logits_step = jax.jit(

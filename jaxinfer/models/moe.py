@@ -68,8 +68,9 @@ class PairKernel:
     # otherwise `matmul` runs three times.
     swiglu: Callable[..., jax.Array] | None = None
     swiglu_takes: Callable[..., bool] = lambda *operands: False
-    # The routing of such steps, or None: (logits [T, E] f32, top_k, renorm) -> (weights [T, k], experts [T, k]),
-    # pallas_kernels.moe_routing.top_k_routing on a GPU (one kernel where XLA runs a sort and two more).
+    # The routing of such steps, or None (the reference): (logits [T, E] f32, top_k, renorm) -> (weights [T, k],
+    # experts [T, k]); e.g. pallas_kernels.moe_routing.top_k_routing, one kernel where XLA runs a sort and two more
+    # (the runner leaves it off for now; see its comment).
     select_top_k: Callable[..., tuple[jax.Array, jax.Array]] | None = None
 
 
