@@ -224,7 +224,7 @@ def _combine(slot_rows, mine: jax.Array, weights: jax.Array) -> jax.Array:
 def _combine_parts(parts: jax.Array, mine: jax.Array, weights: jax.Array) -> jax.Array:
     """parts [S, k, T, D] float32 partial sums of each (slot, token) pair's expert output -> the sum over the S
     partials and the k slots, weighted, over the pairs that are `mine` ([T, k]): float32 [T, D]. The summed
-    axes lead, so XLA makes it one reduction kernel (with pairs token-major it transposed first, a kernel more);
+    axes lead, so the reduction needs no transpose (with pairs token-major XLA transposed first, a kernel more);
     `where`, not the zero weight alone, because rows of other pairs are unwritten."""
     s, k, t, d = parts.shape
     terms = jnp.where(mine.T[None, :, :, None], parts * weights.T[None, :, :, None], 0.0)  # [S, k, T, D]

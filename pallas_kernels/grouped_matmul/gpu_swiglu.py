@@ -2,7 +2,7 @@
 
     parts [S, k, T, D] f32 = swiglu_experts(x [T, D], w_gate [E, D, F], w_up [E, D, F], w_down [E, F, D],
                                             experts [T, k], valid [T], expert_offset)
-    sum_s parts[s, j, t] = silu(x[t] @ Wg[e]) @ ... = SwiGLU expert e of token t, e = experts[t, j] - expert_offset
+    sum over s of parts[s, j, t] = silu(x[t] @ Wg[e]) * (x[t] @ Wu[e]) @ Wd[e],  e = experts[t, j] - expert_offset
 
 Why one kernel: at batch 1 an MoE layer's experts were three `gather_matmul` launches plus the SwiGLU and the
 picks of their transposed tiles between them, ~9 kernels whose launch gaps and ramps cost more than the
@@ -12,20 +12,20 @@ partial sum.
 
 A CTA is one (token, slot) pair and one slice of `tile_f` intermediate channels (grid (k, T, F / tile_f)):
 1. gate and up: `g, u [64, tile_f] = x[row0 : row0 + 64] @ Wg[e][:, slice], ... @ Wu[e][:, slice]`, a
-   pipeline over D in `tile_k` steps. wgmma's M side is 64 rows, and a pair has one row: the x tile is the 8-row
-   block holding it (row0 = the token rounded down to 8, the TMA tiling of a swizzled tile; the TMA zero-fills
-   the rest past the last row), and rows are independent, so the other 63 rows cost tensor-core time only
+   pipeline over D in `tile_k` steps. wgmma's M side is 64 rows, and a pair has one row: the x tile is the 64
+   rows from the 8-row block holding it (row0 = the token rounded down to 8, the TMA tiling of a swizzled tile;
+   the TMA zero-fills rows past the last), and rows are independent, so the other 63 rows cost tensor-core time only
    (the kernel is bound by the weight bytes, ~3x over the matmul time at Qwen3-30B-A3B's shapes).
-2. h = silu(g) * u, in registers, cast to the weights' dtype: the A operand of the next wgmma as it stands
-   (the attention kernels' P @ V pattern), so h never goes through memory.
+2. h = silu(g) * u, in registers, cast to the weights' dtype.
 3. down, per `tile_d` block of D (a second pipeline): "cols" (the default) stages h once in SMEM and computes
    `y^T [tile_d, 8] = Wd[e][slice, d tile]^T @ (rows 0..7 of h)^T`, D channels on wgmma's M side as in
    gather_matmul, then picks the token's column with a masked row sum in registers; "rows" computes
-   `y [64, tile_d] = h @ Wd[e][slice, d tile]` with h in registers and stores all 64 rows to SMEM. Either way one
+   `y [64, tile_d] = h @ Wd[e][slice, d tile]` with h as the register A operand (the attention kernels' P @ V
+   pattern) and stores all 64 fp32 rows to SMEM to send one on, which made it slower. Either way one
    [tile_d] row goes to `parts[slice, slot, token, d tile]` through a two-slot SMEM buffer and a TMA store.
 Pairs of padding tokens (valid false) or with an expert held elsewhere (expert parallelism) exit at once and
 leave their rows unwritten: the caller masks them (the MoE combine does, with `where`). The pairs are laid out
-slot-major ([k, T]), so the combine's sum over slices and slots is over the two leading axes: one reduction.
+slot-major ([k, T]), so the combine's sum over slices and slots is over the two leading axes (no transpose).
 
 The caller sums the S = F / tile_f partials in the reduction that weights and adds the k slots of each token,
 so the kernel needs no cross-CTA reduction. 16-bit weights only (`supported`); quantized experts keep the

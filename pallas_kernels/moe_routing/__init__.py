@@ -9,9 +9,9 @@ the lower expert id, as `jax.lax.top_k`. `reference` is the jnp form; `pallas_gp
 Why a kernel: on a GPU XLA runs top-k over 128 experts as a sort (3.4 us for a 2-row decode bucket on an H200),
 slices its first k columns in a kernel of their own, and the softmax over those k (a reduction) lands in a
 fusion in front of the MoE combine, which then writes its [S, k, T, D] input out once more (it cannot fuse into
-the combine's reduction). With the routing in one kernel that writes the final weights, a batch-1 decode layer
-runs a kernel fewer and the combine no longer re-reads its input (one H200: 39.5 -> 38.5 us of device time per
-layer, docs/benchmarks/moe_block_routing_h200.json). The engine does not use it yet: the decode loop's iteration
+the combine's reduction). With the routing in one kernel that writes the final weights, one MoE layer took 39.5
+-> 38.5 us of device time at batch 1 and ran a kernel fewer at 16 tokens (one H200,
+docs/benchmarks/moe_block_routing_h200.json). The engine does not use it yet: the decode loop's iteration
 did not move (3.82 -> 3.81 ms) and the end-to-end effect was not A/B'd (docs/PERFORMANCE.md, issue 13); JAX
 0.11.2 also warns that its Pallas Triton backend is deprecated. The kernel is one program over the whole [T, E] block
 (k rounds of a row max and the lowest index that reaches it), so it is meant for decode steps: `takes` asks for
