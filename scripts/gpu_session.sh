@@ -63,6 +63,9 @@
 #                alternating twice: $OUT/ab_b1.jsonl
 #   moe_b1_kernels  scripts/profile_decode_buckets.py for Qwen3-30B-A3B's batch-1 bucket: its 80 costliest kernels
 #                and the compiled decode HLO: $OUT/moe_b1_kernels.json, $OUT/decode_rows2*.hlo.txt
+#   moe_b1_steps Qwen3-30B-A3B batch-1 decode (end to end and device only) at 8, 16 and 32 decode steps per call,
+#                one process each: $OUT/moe_b1_steps{8,16,32}.json (is batch 1 bound by a per-call cost?)
+#   trace_moe_b1 scripts/trace_engine.py at batch 1, Qwen3-30B-A3B, the multi-step loop (overlapped), 16 engine steps
 #   ab_moe_b1    ab_b1 for Qwen3-30B-A3B (one run of each tree): $OUT/ab_moe_b1.jsonl
 #   ab_grid      issue 12's TP=1 bar: the run of record's fixed grids and decode at batch 1 through the public
 #                API, the 11-22 tree (.ab_old, a git worktree of 014cf88, carried) then this one
@@ -213,6 +216,15 @@ print(f(llm.describe()))' ;;
     moe_b1_kernels)
       run moe_b1_kernels 400 python3 scripts/profile_decode_buckets.py --model qwen3-30b-a3b --rows 1 --max-num-seqs 2 \
         --memory-fraction 0.85 --top 80 --out "$OUT/moe_b1_kernels.json" --hlo-dir "$OUT" ;;
+    moe_b1_steps)
+      for n in 8 16 32; do
+        run moe_b1_steps$n 280 python3 -m jaxinfer.cli bench --model qwen3-30b-a3b --hf skip --memory-fraction 0.85 \
+          --sections decode decode_device --decode-batches 1 --decode-steps 128 --decode-steps-per-call $n --plot none \
+          --out "$OUT/moe_b1_steps$n.json"
+      done ;;
+    trace_moe_b1)
+      run trace_moe_b1 400 python3 scripts/trace_engine.py --model qwen3-30b-a3b --batch 1 --memory-fraction 0.85 \
+        --max-num-batched-tokens 256 --overlap-only --calls 16 --out "$OUT/trace_moe_b1.json" ;;
     ab_moe_b1)
       run ab_moe_b1 590 python3 scripts/ab_bench.py --trees .ab_old . --repeats 1 --out "$OUT/ab_moe_b1.jsonl" -- \
         --model qwen3-30b-a3b --hf skip --memory-fraction 0.85 --sections decode decode_device --decode-batches 1 ;;
