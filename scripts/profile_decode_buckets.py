@@ -71,8 +71,8 @@ def main() -> None:
     p.add_argument("--top", type=int, default=12, help="kernels listed per bucket, by device time")
     args = p.parse_args()
     llm = LLM(args.model, random_weights=True, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
-              max_model_len=args.ctx + 256,
-              decode_steps_per_call=args.steps, use_tqdm=False, memory_fraction=args.memory_fraction)
+              max_model_len=args.ctx + 256, decode_steps_per_call=args.steps, use_tqdm=False,
+              memory_fraction=args.memory_fraction)
     llm.wait_for_background_compile()  # steady-state speed
     results = []
     for rows in args.rows:

@@ -38,8 +38,8 @@ import numpy as np
 from bench_kernels import time_fn
 from jaxinfer.bench.measure import device_events
 from jaxinfer.models import moe
-from pallas_kernels.grouped_matmul import gather_matmul, grouped_matmul, swiglu_experts
-from pallas_kernels.grouped_matmul import gpu as gmm_gpu
+from jaxinfer.engine.runner import gpu_pair_kernel
+from pallas_kernels.grouped_matmul import grouped_matmul
 from pallas_kernels.grouped_matmul import gpu_swiglu as gmm_swiglu
 from pallas_kernels.moe_routing import top_k_routing
 
@@ -113,11 +113,11 @@ def run_case(bucket, real, impl, shape, layers, dtype, sets, bw):
     if impl in ("engine", "grouped"):
         expert_matmul = functools.partial(grouped_matmul, impl="auto")
     if impl in ("engine", "pairs3") and jax.default_backend() == "gpu":  # what the runner builds on a GPU
-        pair_kernel = moe.PairKernel(functools.partial(gather_matmul, impl="pallas_gpu"), gmm_gpu.supported)
-        if impl == "engine":
-            fused = functools.partial(swiglu_experts, impl="pallas_gpu", tiling=tiling)
-            pair_kernel = dataclasses.replace(pair_kernel, swiglu=fused, swiglu_takes=gmm_swiglu.supported,
-                                              select_top_k=top_k_routing if topk else None)
+        pair_kernel = gpu_pair_kernel(swiglu_tiling=tiling)
+        if impl == "pairs3":  # three gather_matmul launches
+            pair_kernel = dataclasses.replace(pair_kernel, swiglu=None)
+        elif topk:
+            pair_kernel = dataclasses.replace(pair_kernel, select_top_k=top_k_routing)
     program = make_program(layers, shape["top_k"], real, expert_matmul, pair_kernel)
     xs = [jax.random.normal(jax.random.key(100 + i), (bucket, shape["hidden"]), jnp.float32).astype(dtype)
           for i in range(len(sets))]

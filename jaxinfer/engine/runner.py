@@ -191,15 +191,7 @@ class ModelRunner(CompiledPrograms):
         experts = functools.partial(grouped_matmul, impl=experts_impl, interpret=interpret)
         # Decode steps of a few tokens take the per-pair kernel where the GPU kernel runs (no sort; see
         # jaxinfer.models.moe). Elsewhere its reference would gather a weight copy per pair: the grouped path stays.
-        pairs = None
-        if resolve_experts_impl(experts_impl) == "pallas_gpu":
-            pairs = PairKernel(functools.partial(gather_matmul, impl="pallas_gpu", interpret=interpret),
-                               takes=gmm_gpu.supported,
-                               swiglu=functools.partial(swiglu_experts, impl="pallas_gpu", interpret=interpret),
-                               swiglu_takes=gmm_swiglu.supported)
-            # PairKernel.select_top_k (pallas_kernels.moe_routing, a Pallas Triton kernel) stays off: on one H200
-            # it took ~1 us a layer off the device time of a batch-1 step but not measurably off the loop's
-            # iteration (3.82 -> 3.81 ms), and the end-to-end effect was not A/B'd (docs/PERFORMANCE.md).
+        pairs = gpu_pair_kernel(interpret) if resolve_experts_impl(experts_impl) == "pallas_gpu" else None
         self.moe_fn = make_moe_fn(mesh, rules, experts, pairs) if family.moe else None
         self.num_experts = cfg.num_experts if family.moe else 0
         self._logits_step = jax.jit(
@@ -502,6 +494,20 @@ class ModelRunner(CompiledPrograms):
         """Host arrays -> device, replicated over the mesh (metadata is small); device arrays stay as they are.
         A tuple's elements are packed one by one (jaxinfer.engine.transfer)."""
         return self.transfer.place(batch, background)
+
+
+def gpu_pair_kernel(interpret: bool = False, swiglu_tiling=None) -> PairKernel:
+    """The per-pair kernels of MoE decode steps on a GPU, as the runner uses them (scripts/profile_moe_block.py
+    times this too): gather_matmul, and the fused SwiGLU kernel where it takes the experts (16-bit weights).
+
+    PairKernel.select_top_k (pallas_kernels.moe_routing, a Pallas Triton kernel) stays off: on one H200 it took
+    ~1 us a layer off the device time of a batch-1 step but not measurably off the loop's iteration (3.82 -> 3.81
+    ms), and the end-to-end effect was not A/B'd (docs/PERFORMANCE.md)."""
+    return PairKernel(functools.partial(gather_matmul, impl="pallas_gpu", interpret=interpret),
+                      takes=gmm_gpu.supported,
+                      swiglu=functools.partial(swiglu_experts, impl="pallas_gpu", interpret=interpret,
+                                               tiling=swiglu_tiling),
+                      swiglu_takes=gmm_swiglu.supported)
 
 
 def forward_kind(num_tokens: int) -> str:

@@ -144,7 +144,6 @@ def gather_matmul(lhs: jax.Array, rhs, rows: jax.Array, experts: jax.Array, *,
     return jnp.where(live[:, None], out, 0).astype(output_dtype(lhs, preferred_element_type))
 
 
-
 def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, experts: jax.Array,
                    valid: jax.Array | None = None, expert_offset: jax.Array | int = 0) -> jax.Array:
     """The specification of the fused MoE SwiGLU: for token t's slot j with e = experts[t, j] - expert_offset in

@@ -218,10 +218,8 @@ def test_pair_path_only_for_small_steps_and_operands_it_takes() -> None:
 def test_pair_path_with_the_gpu_kernel_in_interpret_mode() -> None:
     """The engine's GPU pair kernel (Mosaic GPU interpreter on CPU) at a bf16 decode step: 16 token rows of
     which 3 are real, top-4 of 8 experts, D and F on the kernel's 64 grid; the three-launch form and the fused
-    SwiGLU kernel with the routing kernel, as the runner builds them on a GPU."""
-    from pallas_kernels.grouped_matmul import gather_matmul, swiglu_experts
-    from pallas_kernels.grouped_matmul import gpu as gmm_gpu
-    from pallas_kernels.grouped_matmul import gpu_swiglu as gmm_swiglu
+    SwiGLU kernel as the runner builds them on a GPU, and that with the routing kernel."""
+    from jaxinfer.engine.runner import gpu_pair_kernel
     from pallas_kernels.moe_routing import top_k_routing
 
     r = np.random.default_rng(9)
@@ -234,11 +232,10 @@ def test_pair_path_with_the_gpu_kernel_in_interpret_mode() -> None:
     valid = jnp.arange(t) < 3
     ref, _ = moe_block(x, w, top_k=4, norm_topk_prob=True, valid=valid)
     ref = np.asarray(ref, np.float32)
-    three = PairKernel(lambda *a: gather_matmul(*a, impl="pallas_gpu", interpret=True), gmm_gpu.supported)
-    fused = dataclasses.replace(three, swiglu=lambda *a: swiglu_experts(*a, impl="pallas_gpu", interpret=True),
-                                swiglu_takes=gmm_swiglu.supported,
-                                select_top_k=lambda *a: top_k_routing(*a, impl="pallas_gpu", interpret=True))
-    for kernel in (three, fused):
+    fused = gpu_pair_kernel(interpret=True)  # as the runner builds it on a GPU
+    three = dataclasses.replace(fused, swiglu=None)
+    routed = dataclasses.replace(fused, select_top_k=lambda *a: top_k_routing(*a, impl="pallas_gpu", interpret=True))
+    for kernel in (three, fused, routed):
         ours, _ = moe_block(x, w, top_k=4, norm_topk_prob=True, valid=valid, pair_kernel=kernel)
         ours = np.asarray(ours, np.float32)
         assert np.isfinite(ours).all() and not ours[3:].any()
