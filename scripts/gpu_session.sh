@@ -64,7 +64,8 @@
 #   moe_b1_kernels  scripts/profile_decode_buckets.py for Qwen3-30B-A3B's batch-1 bucket: its 80 costliest kernels
 #                and the compiled decode HLO: $OUT/moe_b1_kernels.json, $OUT/decode_rows2*.hlo.txt
 #   moe_b1_steps Qwen3-30B-A3B batch-1 decode (end to end and device only) at 8, 16 and 32 decode steps per call,
-#                one process each: $OUT/moe_b1_steps{8,16,32}.json (is batch 1 bound by a per-call cost?)
+#                one process each: $OUT/moe_b1_steps{8,16,32}.json (is batch 1 bound by a per-call cost?);
+#                MOE_B1_STEPS="8 32" picks the counts
 #   trace_moe_b1 scripts/trace_engine.py at batch 1, Qwen3-30B-A3B, the multi-step loop (overlapped), 16 engine steps
 #   ab_moe_b1    ab_b1 for Qwen3-30B-A3B (one run of each tree): $OUT/ab_moe_b1.jsonl
 #   ab_grid      issue 12's TP=1 bar: the run of record's fixed grids and decode at batch 1 through the public
@@ -217,7 +218,7 @@ print(f(llm.describe()))' ;;
       run moe_b1_kernels 400 python3 scripts/profile_decode_buckets.py --model qwen3-30b-a3b --rows 1 --max-num-seqs 2 \
         --memory-fraction 0.85 --top 80 --out "$OUT/moe_b1_kernels.json" --hlo-dir "$OUT" ;;
     moe_b1_steps)
-      for n in 8 16 32; do
+      for n in ${MOE_B1_STEPS:-8 16 32}; do
         run moe_b1_steps$n 280 python3 -m jaxinfer.cli bench --model qwen3-30b-a3b --hf skip --memory-fraction 0.85 \
           --sections decode decode_device --decode-batches 1 --decode-steps 128 --decode-steps-per-call $n --plot none \
           --out "$OUT/moe_b1_steps$n.json"
