@@ -166,10 +166,18 @@ class DecodeLoop:
         of the multi-step body back to the host, so the call itself returns only when the loop is (nearly)
         done; made from this thread, it would block the host work it is meant to overlap. `self.engine.penalties`
         is handed over and comes back when the call is awaited (`_await`)."""
-        penalties, self.engine.penalties = self.engine.penalties, None
         # Transfer the host arrays here: the launcher thread then needs the GIL only briefly, to enter the call.
+        placed = self.engine.runner.place((batch, inputs, decode))
+        return self._submit(plan, num_iterations, placed, inputs, decode, copies)
+
+    def _submit(
+        self, plan: StepPlan, num_iterations: int, placed: tuple[StepBatch, SampleInputs, DecodeInputs],
+        inputs: SampleInputs, decode: DecodeInputs, copies: Sequence[PageCopy] = (),
+    ) -> _InFlight:
+        """Hand the call's device arguments (`placed`) to the launcher thread; `inputs` and `decode` are the host
+        arrays they came from, kept for the continuation and the replay."""
+        penalties, self.engine.penalties = self.engine.penalties, None
         runner = self.engine.runner
-        placed = runner.place((batch, inputs, decode))
         launched = self.launcher.submit(runner.decode_steps, penalties, *placed, max_steps=self.steps_per_call,
                                         branch_free=runner.takes_branch_free(inputs.sampling), copies=copies)
         return _InFlight(plan, num_iterations, inputs, decode, launched)
@@ -254,11 +262,17 @@ class DecodeLoop:
         inputs = dataclasses.replace(prev, sampling=dataclasses.replace(prev.sampling,
                                                                          step=np.asarray(prev.sampling.step) + k))
         decode = dataclasses.replace(call.decode, budget=budget, num_steps=np.asarray(num_iterations, np.int32))
+        # Sent now, while `call` runs, all but the two fields that come from its outputs. Sent between the calls,
+        # they took 2.5 of the ~3.5 ms the launcher thread sat idle before each call in a trace of batch-1
+        # Qwen3-30B-A3B, whose calls take about as long to launch as to run (docs/PERFORMANCE.md, issue 13).
+        placed_batch, placed_inputs, placed_decode = self.engine.runner.place(
+            (dataclasses.replace(batch, token_ids=None), inputs, dataclasses.replace(decode, alive=None)))
 
         def launch(out: MultiStepOutput) -> _InFlight:
             self.num_overlapped_calls += 1
-            return self._launch(plan, num_iterations, dataclasses.replace(batch, token_ids=out.next_tokens),  # T == S
-                                inputs, dataclasses.replace(decode, alive=out.alive))
+            placed = (dataclasses.replace(placed_batch, token_ids=out.next_tokens), placed_inputs,  # T == S
+                      dataclasses.replace(placed_decode, alive=out.alive))
+            return self._submit(plan, num_iterations, placed, inputs, dataclasses.replace(decode, alive=out.alive))
 
         return launch
 
