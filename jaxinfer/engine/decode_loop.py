@@ -88,6 +88,12 @@ class DecodeLoop:
         self.inflight: _InFlight | None = None
         self.launcher = ThreadPoolExecutor(1, thread_name_prefix="jaxinfer-decode")
         self.num_overlapped_calls = 0  # decode calls launched before the host read the previous one
+        # Send a continuation's host arrays while the call before it runs, not between the two: sent between
+        # them they took 2.5 of the ~3.5 ms the launcher thread sat idle before each call in a trace of batch-1
+        # Qwen3-30B-A3B, whose calls take about as long to launch as to run (docs/PERFORMANCE.md, issue 13).
+        # Not when the mesh spans processes: each must then make its transfers and device calls in one order,
+        # and a transfer racing a collective across processes deadlocks (pipeline.StepPipeline._submit).
+        self.place_ahead = jax.process_count() == 1
 
     def iterations(self, plan: StepPlan) -> tuple[StepPlan, int]:
         """Decode iterations one device call may run for `plan`, and the plan with the pages they need.
@@ -262,16 +268,14 @@ class DecodeLoop:
         inputs = dataclasses.replace(prev, sampling=dataclasses.replace(prev.sampling,
                                                                          step=np.asarray(prev.sampling.step) + k))
         decode = dataclasses.replace(call.decode, budget=budget, num_steps=np.asarray(num_iterations, np.int32))
-        # Sent now, while `call` runs, all but the two fields that come from its outputs. Sent between the calls,
-        # they took 2.5 of the ~3.5 ms the launcher thread sat idle before each call in a trace of batch-1
-        # Qwen3-30B-A3B, whose calls take about as long to launch as to run (docs/PERFORMANCE.md, issue 13).
-        placed_batch, placed_inputs, placed_decode = self.engine.runner.place(
-            (dataclasses.replace(batch, token_ids=None), inputs, dataclasses.replace(decode, alive=None)))
+        # All but the two fields that come from `call`'s outputs, sent while it runs (`place_ahead`).
+        host = (dataclasses.replace(batch, token_ids=None), inputs, dataclasses.replace(decode, alive=None))
+        ahead = self.engine.runner.place(host) if self.place_ahead else None
 
         def launch(out: MultiStepOutput) -> _InFlight:
             self.num_overlapped_calls += 1
-            placed = (dataclasses.replace(placed_batch, token_ids=out.next_tokens), placed_inputs,  # T == S
-                      dataclasses.replace(placed_decode, alive=out.alive))
+            b, i, d = ahead if ahead is not None else self.engine.runner.place(host)
+            placed = (dataclasses.replace(b, token_ids=out.next_tokens), i, dataclasses.replace(d, alive=out.alive))
             return self._submit(plan, num_iterations, placed, inputs, dataclasses.replace(decode, alive=out.alive))
 
         return launch

@@ -65,10 +65,13 @@ def mixed_params(free: list[list[int]]) -> list[SamplingParams]:
     return params
 
 
-@pytest.mark.parametrize("tp", [1, 2])
-def test_overlapped_decode_gives_the_synchronous_results(tp: int) -> None:
+# place_ahead=False: a continuation's host arrays are sent after the call before it returns, as on a mesh that
+# spans processes (DecodeLoop.place_ahead).
+@pytest.mark.parametrize("tp, place_ahead", [(1, True), (2, True), (1, False)])
+def test_overlapped_decode_gives_the_synchronous_results(tp: int, place_ahead: bool) -> None:
     ps = prompts(7)
     sync, overlapped = make_engine(False, tp), make_engine(True, tp)
+    overlapped.loop.place_ahead = place_ahead
     free = [o.outputs[0].token_ids for o in sync.generate(ps, mixed_params([]))]
     want = sync.generate(ps, mixed_params(free))
     got = overlapped.generate(ps, mixed_params(free))
