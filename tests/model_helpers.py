@@ -47,15 +47,16 @@ def tiny_qwen3_moe(**overrides) -> ModelConfig:
 
 def build_runner(cfg: ModelConfig, tp: int = 1, seed: int = 0, num_pages: int = 64, page_size: int = 4,
                  family: ModelFamily = LLAMA, weights_hook: Callable[[Any], Any] | None = None,
-                 attention_impl: str = "reference", dtype: Any = jnp.float32) -> ModelRunner:
-    """A runner over random weights (reference attention unless told); `weights_hook` may perturb them."""
+                 attention_impl: str = "reference", dtype: Any = jnp.float32, interpret: bool = False) -> ModelRunner:
+    """A runner over random weights (reference attention unless told; `interpret`: Pallas kernels run by the
+    interpreter); `weights_hook` may perturb them."""
     mesh = make_mesh(MeshConfig(tensor=tp))
     rules = tensor_parallel_rules(cfg, tp)
     weights = init_params(family.param_specs(cfg, dtype), jax.random.key(seed), mesh, rules)
     if weights_hook is not None:
         weights = weights_hook(weights)
     cache = allocate_kv_cache(cfg, num_pages, page_size, dtype, mesh, rules)
-    return ModelRunner(family, cfg, weights, cache, mesh, rules, attention_impl=attention_impl)
+    return ModelRunner(family, cfg, weights, cache, mesh, rules, attention_impl=attention_impl, interpret=interpret)
 
 
 def abstract_forward_inputs(cfg: ModelConfig, tokens: int = 256, seqs: int = 8, pages: int = 128,

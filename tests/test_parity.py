@@ -72,9 +72,12 @@ def test_tensor_parallel_3_equals_hf(smollm2_golden: dict) -> None:
 
 
 def test_pallas_tpu_kernel_in_interpret_mode_gives_hf_greedy_tokens(smollm2_golden: dict) -> None:
-    """The TPU ragged paged attention kernel, run by Pallas' interpreter on CPU, inside the real model."""
+    """The TPU ragged paged attention kernel, run by Pallas' interpreter on CPU, inside the real model. Single
+    decode steps: the two multi-step loop programs took 29 of the 49 s this engine spent compiling on 2 cores;
+    the kernel inside the loop is checked on a tiny model (tests/engine/test_tpu_kernel_decode_loop.py)."""
     llm_tpu = LLM("smollm2-135m-instruct", **{**ENGINE_KW, "attention_impl": "pallas_tpu", "interpret": True,
-                                              "max_num_batched_tokens": 32, "max_num_seqs": 4})
+                                              "max_num_batched_tokens": 32, "max_num_seqs": 4,
+                                              "decode_steps_per_call": 1})
     cases = smollm2_golden["greedy"][1:3]
     outs = llm_tpu.generate([c["prompt_ids"] for c in cases], [greedy_params(12) for _ in cases])
     assert [o.token_ids for o in outs] == [c["output_ids"][:12] for c in cases]
