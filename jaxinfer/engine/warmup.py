@@ -6,7 +6,7 @@ weights and cache, static arguments):
   without `lax.cond`, for the pipelined single steps);
 * speculative decoding's verify programs (and, apart, the draft model's);
 * the copy-on-write page copy program (and the draft model's);
-* with multi-step decode, the decode loop of every row bucket.
+* with multi-step decode, the decode loop of every row bucket (not with a draft model, whose engine never runs it).
 
 The small buckets of decode-only single steps (`Engine.small_step_buckets`, 2, 4 and 8 tokens on a GPU or TPU)
 compile in the background too: until they are handed over, such steps run in the 16-token bucket.
@@ -62,7 +62,7 @@ def plan(engine: Engine) -> WarmupPlan:
     if engine.spec is not None:
         verify_calls, draft = engine.spec.warmup_calls()
         now.extend(verify_calls)
-    if engine.decode_steps_per_call > 1:
+    if engine.decode_steps_per_call > 1 and not runs_every_step_speculatively(engine):
         for rows in engine.decode_row_buckets:
             args = (engine.penalties, *engine._decode_args(engine.decode_shape(rows), [], [], 0))
             now.append(("decode", args, {"max_steps": engine.decode_steps_per_call}))
@@ -71,3 +71,12 @@ def plan(engine: Engine) -> WarmupPlan:
                     ("decode", args, {"max_steps": engine.decode_steps_per_call, "branch_free": True}))
     now.append(page_copy_call())  # copy-on-write page copies, before any step that has some
     return WarmupPlan(now, draft, later)
+
+
+def runs_every_step_speculatively(engine: Engine) -> bool:
+    """A draft model's engine hands every step to the speculator (`Speculator.run`), which keeps the draft's
+    cache in step with the target's: it never runs the multi-step decode loop, whose programs (the model and the
+    sampler in a loop, one per row bucket) are among the costliest an engine compiles. N-gram speculation hands
+    steps without proposals back to the ordinary path, loop included."""
+    return engine.spec is not None and engine.spec.draft is not None
+

@@ -326,3 +326,18 @@ def test_ngram_proposals() -> None:
     assert propose_ngram([1, 2, 3, 4], 3, 1, 3) == []
     assert propose_ngram([7, 7], 2, 1, 1) == [7]
     assert propose_ngram([1, 2, 9, 9, 9, 9, 1, 2], 2, 2, 2, window=5) == []  # the old match is outside the window
+
+
+def test_a_draft_engine_compiles_no_multi_step_loop_and_an_ngram_engine_does() -> None:
+    """Every step of a draft model's engine goes through the speculator, never the multi-step loop, so its
+    warmup leaves the loop out; n-gram speculation falls back to the loop for steps without proposals."""
+    from jaxinfer.engine import warmup
+
+    def kinds(spec: dict, draft: str | None) -> set[str]:
+        engine = Engine(target_runner(), None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128),
+                        CacheConfig(page_size=PAGE), use_tqdm=False, decode_steps_per_call=4,
+                        speculative=parse_speculative(spec), draft_runner=draft_runner(draft) if draft else None)
+        return {kind for kind, _, _ in warmup.plan(engine).now}
+
+    assert "decode" not in kinds(DRAFT, "self")
+    assert "decode" in kinds(NGRAM, None)
