@@ -79,4 +79,3 @@ def runs_every_step_speculatively(engine: Engine) -> bool:
     sampler in a loop, one per row bucket) are among the costliest an engine compiles. N-gram speculation hands
     steps without proposals back to the ordinary path, loop included."""
     return engine.spec is not None and engine.spec.draft is not None
-

@@ -334,7 +334,8 @@ def test_a_draft_engine_compiles_no_multi_step_loop_and_an_ngram_engine_does() -
     from jaxinfer.engine import warmup
 
     def kinds(spec: dict, draft: str | None) -> set[str]:
-        engine = Engine(target_runner(), None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128),
+        engine = Engine(target_runner(), None,
+                        EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128),
                         CacheConfig(page_size=PAGE), use_tqdm=False, decode_steps_per_call=4,
                         speculative=parse_speculative(spec), draft_runner=draft_runner(draft) if draft else None)
         return {kind for kind, _, _ in warmup.plan(engine).now}

@@ -18,6 +18,9 @@ STEPS = 4
 def _generate(attention_impl: str) -> tuple[list[list[int]], list[list[float]], dict, int]:
     runner = build_runner(CFG, seed=5, num_pages=48, page_size=16, attention_impl=attention_impl,
                           interpret=attention_impl == "pallas_tpu")
+    engine = Engine(runner, None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128),
+                    CacheConfig(page_size=16), use_tqdm=False, decode_steps_per_call=STEPS)
+    engine.warmup()
     loop_calls = []
     decode_steps = runner.decode_steps
 
@@ -26,12 +29,9 @@ def _generate(attention_impl: str) -> tuple[list[list[int]], list[list[float]], 
         return decode_steps(*args, **kwargs)
 
     runner.decode_steps = counted  # the engine's decode loop looks it up on the instance
-    engine = Engine(runner, None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=128),
-                    CacheConfig(page_size=16), use_tqdm=False, decode_steps_per_call=STEPS)
-    engine.warmup()
     rng = np.random.default_rng(0)
     prompts = [[int(t) for t in rng.integers(0, CFG.vocab_size, n)] for n in (5, 19, 11)]
-    # Different lengths: rows finish in different iterations, and one crosses a page boundary mid-call.
+    # Different lengths: rows finish in different iterations, and two cross a page boundary while decoding.
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, logprobs=0) for n in (14, 9, 21)]
     outs = engine.generate(prompts, params)
     tokens = [o.outputs[0].token_ids for o in outs]
