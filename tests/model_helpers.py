@@ -4,6 +4,7 @@ feeding, and an independent dense float64 NumPy Llama to compare the paged forwa
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -20,6 +21,14 @@ from jaxinfer.models.common import rope_inv_freq
 from jaxinfer.params import init_params
 from jaxinfer.presets import load_preset
 from jaxinfer.sharding import make_mesh, tensor_parallel_rules
+
+
+def xla_flags_with_devices(n: int) -> str:
+    """The test environment's XLA_FLAGS (tests/conftest.py: its compile-time settings) with `n` forced CPU devices,
+    for a subprocess that needs a different device count."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    return " ".join([f"--xla_force_host_platform_device_count={n}", *flags])
 
 
 def tiny_config(**overrides) -> ModelConfig:

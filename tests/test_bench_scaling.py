@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from model_helpers import tiny_config
+from model_helpers import tiny_config, xla_flags_with_devices
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ def run_scaling(tmp_path: Path, *args: str) -> dict:
     out = tmp_path / "result.json"
     cmd = [sys.executable, "scripts/bench_scaling.py", "--devices", "2", "--grid", "12x6:4", "--bench-args", BENCH,
            "--agreement-model", "none", "--out", str(out), *args]
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PYTHONPATH": str(REPO)}
+    env = {**os.environ, "XLA_FLAGS": xla_flags_with_devices(2), "PYTHONPATH": str(REPO)}
     proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(out.read_text())

@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from model_helpers import xla_flags_with_devices
+
 pytestmark = pytest.mark.slow
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
@@ -34,7 +36,7 @@ def test_two_processes_tensor_parallel_4_give_the_golden_tokens(tmp_path: Path, 
     out = tmp_path / "out.json"
     procs = []
     for pid in range(2):
-        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu",
+        env = {**os.environ, "XLA_FLAGS": xla_flags_with_devices(2), "JAX_PLATFORMS": "cpu",
                "JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": str(pid),
                "PYTHONPATH": str(REPO)}
         procs.append(subprocess.Popen([sys.executable, str(WORKER), str(out)], env=env, cwd=REPO,
