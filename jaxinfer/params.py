@@ -96,8 +96,8 @@ def _draw_codes(spec: ParamSpec, key: jax.Array) -> jax.Array:
     dtype = jnp.dtype(spec.dtype)
     if dtype == jnp.int8:
         return jax.random.randint(key, spec.shape, -127, 128, jnp.int32).astype(jnp.int8)
-    if dtype == jnp.uint8:  # two int4 codes per byte, each stored as code + 8 with codes in -7..7
-        nibbles = jax.random.randint(key, (2, *spec.shape), 1, 16, jnp.int32)
+    if dtype == jnp.uint8:  # two int4 codes per byte, codes in -7..7, each nibble two's complement
+        nibbles = jax.random.randint(key, (2, *spec.shape), -7, 8, jnp.int32) & 0xF
         return (nibbles[0] | (nibbles[1] << 4)).astype(jnp.uint8)
     return (jax.random.normal(key, spec.shape, jnp.float32) * 64.0).astype(dtype)
 
@@ -107,7 +107,7 @@ def _codes_on_host(spec: ParamSpec, rng: np.random.Generator) -> np.ndarray:
     if dtype == jnp.int8:
         return rng.integers(-127, 128, spec.shape).astype(np.int8)
     if dtype == jnp.uint8:
-        nibbles = rng.integers(1, 16, (2, *spec.shape))
+        nibbles = rng.integers(-7, 8, (2, *spec.shape)) & 0xF
         return (nibbles[0] | (nibbles[1] << 4)).astype(np.uint8)
     return (rng.standard_normal(spec.shape, np.float32) * 64.0).astype(dtype)
 

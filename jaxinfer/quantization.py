@@ -256,7 +256,8 @@ def _check_one(path: str, fmt: QFormat, view: MatrixView, k_shards: int) -> None
 def fit_packs(specs: Any, plan: Plan, shards: dict[Logical, int] | None = None) -> Plan:
     """The plan with every int4 weight's packing chunk fixed for the K each device holds. A chunk packs
     element j and j + pack/2 into one byte, so a chunk split between two devices would leave each with
-    half of every byte's pair: a weight whose K is split picks its chunk from the per-device K."""
+    half of every byte's pair: a weight whose K is split picks its chunk from the per-device K.
+    (The plain order, reference.NATURAL_PACK, is not chosen here yet: see the GPU kernel's docstring.)"""
     shards = shards or {}
     by_path = dict(flatten_specs(specs))
     out = dict(plan)
@@ -353,7 +354,7 @@ def _positive(scale: np.ndarray) -> np.ndarray:
 def pack_int4(codes: np.ndarray, pack: int) -> np.ndarray:
     """[N, K] int8 codes in -8..7 -> [N, K/2] uint8 (reference.pack_int4's layout, in NumPy)."""
     n, k = codes.shape
-    u = (codes.astype(np.int16) + 8).astype(np.uint8).reshape(n, k // pack, 2, pack // 2)
+    u = (codes.astype(np.uint8) & 0xF).reshape(n, k // pack, 2, pack // 2)  # two's complement nibbles
     return (u[:, :, 0, :] | (u[:, :, 1, :] << 4)).reshape(n, k // 2)
 
 

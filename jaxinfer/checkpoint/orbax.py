@@ -28,7 +28,7 @@ from jaxinfer.quantization import Plan, plan_from_json, plan_to_json, quantize_p
 from jaxinfer.sharding import ShardingRules
 
 ORBAX_MARKER = "jaxinfer_model.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: int4 codes are two's complement nibbles (1 stored code + 8; float weights read the same)
 
 
 def save_checkpoint(dst: str | Path, cfg: ModelConfig, weights: Any, tokenizer: Any, plan: Plan | None = None) -> Path:
@@ -63,10 +63,13 @@ class OrbaxCheckpoint:
     @cached_property
     def meta(self) -> dict[str, Any]:
         meta = json.loads((self.directory / ORBAX_MARKER).read_text(encoding="utf-8"))
-        if meta.get("format_version") != FORMAT_VERSION:
+        version = meta.get("format_version")
+        int4 = any(fmt.get("bits") == 4 for fmt in meta.get("quantization_plan", {}).values())
+        if version not in (1, FORMAT_VERSION) or (version == 1 and int4):
+            why = "its int4 codes are stored as code + 8, " if version == 1 else ""
             raise CheckpointError(
-                f"{self.directory}: checkpoint format_version {meta.get('format_version')} is not the "
-                f"supported {FORMAT_VERSION}; convert it again."
+                f"{self.directory}: checkpoint format_version {version} is not the supported "
+                f"{FORMAT_VERSION} ({why}two's complement since version 2); convert it again."
             )
         return meta
 

@@ -21,12 +21,15 @@ Storage format (`QuantizedWeights`), chosen for the kernels:
 * Group sizes: 8-bit 16, 32, 64 or a multiple of 128; int4 32, 64 or a multiple of 128; fp8 per
   channel only. 16 exists for GGUF Q6_K, whose sub-blocks have 16 weights.
 * int4 packing (`pack`, the chunk): inside every `pack`-wide chunk of K, byte j holds element j in
-  its low nibble and element j + pack/2 in its high nibble, each stored as q + 8 (q in -8..7).
-  Unpacking a chunk is then two whole half-chunks, no interleave, which the kernels do in
-  registers. `pack` is 2 x the group for groups of 32 and 64 (so each half-chunk is exactly one
-  group and carries one scale; the group itself when Kp is no multiple of twice the group), 128 for
-  larger groups, and for per-channel weights the largest of 128/64/32 dividing Kp. (GGUF's Q4_K packs exactly this way with pack 64; Q4_0/Q4_1 pack 32-wide
-  blocks and are re-interleaved at load.)
+  its low nibble and element j + pack/2 in its high nibble, each a two's complement code (q in -8..7).
+  `pack` 2 (NATURAL_PACK) is plain int4 order, two codes a byte, low first: the bytes of a jnp.int4
+  [N, Kp] array, which the GPU kernel hands to Mosaic GPU's int4 loads and conversions (the GPU
+  default). Wider chunks unpack into two whole half-chunks, no interleave, which the TPU kernel and
+  GGUF's own orders want: `pack` is 2 x the group for groups of 32 and 64 (so each half-chunk is
+  exactly one group and carries one scale; the group itself when Kp is no multiple of twice the
+  group), 128 for larger groups, and for per-channel weights the largest of 128/64/32 dividing Kp.
+  (GGUF's Q4_K packs exactly this way with pack 64; Q4_0/Q4_1 pack 32-wide blocks and are
+  re-interleaved at load.)
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import jax
 import jax.numpy as jnp
 
 PACK_CHUNK = 128  # the widest int4 packing chunk
+NATURAL_PACK = 2  # int4 in plain order (module docstring)
 K_ALIGN = 32  # K is padded to a multiple of this (and of the group and the packing chunk)
 _INT_MAX = {8: 127.0, 4: 7.0}
 _FP8_MAX = 448.0  # largest finite float8_e4m3fn
@@ -125,7 +129,7 @@ def padded_k(k: int, bits: int, group_size: int | None) -> int:
 def pack_int4(q: jax.Array, pack: int = PACK_CHUNK) -> jax.Array:
     """[N, Kp] int8 in -8..7 -> [N, Kp // 2] uint8, chunk-halves layout (module docstring)."""
     n, kp = q.shape
-    u = (q + 8).astype(jnp.uint8).reshape(n, kp // pack, 2, pack // 2)  # [N, C, 2, pack/2]
+    u = (q.astype(jnp.uint8) & 0xF).reshape(n, kp // pack, 2, pack // 2)  # [N, C, 2, pack/2] two's complement
     packed = u[:, :, 0, :] | (u[:, :, 1, :] << 4)  # [N, C, pack/2]
     return packed.reshape(n, kp // 2)
 
@@ -133,9 +137,9 @@ def pack_int4(q: jax.Array, pack: int = PACK_CHUNK) -> jax.Array:
 def unpack_int4(packed: jax.Array, pack: int = PACK_CHUNK) -> jax.Array:
     """[N, Kc // 2] uint8 -> [N, Kc] int8 (Kc a multiple of `pack`); inverse of pack_int4."""
     n, half = packed.shape
-    p = packed.reshape(n, half // (pack // 2), pack // 2)  # [N, C, pack/2]
-    lo = (p & 0xF).astype(jnp.int8) - 8
-    hi = (p >> 4).astype(jnp.int8) - 8
+    p = jax.lax.bitcast_convert_type(packed, jnp.int8).reshape(n, half // (pack // 2), pack // 2)  # [N, C, pack/2]
+    lo = (p << 4) >> 4  # arithmetic shifts sign-extend each nibble
+    hi = p >> 4
     return jnp.concatenate([lo, hi], axis=-1).reshape(n, half * 2)  # [N, Kc]
 
 
@@ -150,7 +154,8 @@ def from_codes(q: jax.Array, scales: jax.Array, zeros: jax.Array | None, *, bits
 
 
 def quantize_weights(w: jax.Array, bits: int = 8, group_size: int | None = None, *,
-                     fp8: bool = False, zero_point: bool = False, w8a8: bool = False) -> QuantizedWeights:
+                     fp8: bool = False, zero_point: bool = False, w8a8: bool = False,
+                     pack: int | None = None) -> QuantizedWeights:
     """Weight-only quantization of w [K, N].
 
     bits=8: int8, one scale per output channel (or per K group). bits=4: int4 packed two per byte,
@@ -158,7 +163,8 @@ def quantize_weights(w: jax.Array, bits: int = 8, group_size: int | None = None,
     with one scale per output channel (the Hopper path). Symmetric (absmax) scales unless
     zero_point=True, which maps each group's [min, max] onto the code range and stores the offset
     in `zeros` (int4's 16 levels then cover the group's real range instead of +-absmax).
-    w8a8=True (fp8 only): the activations are quantized too when the weights are applied.
+    w8a8=True (fp8 only): the activations are quantized too when the weights are applied. pack: the
+    int4 packing chunk (default_pack when None; NATURAL_PACK is the GPU kernel's fast order).
     """
     if w.ndim != 2:
         raise ValueError(f"w must be [K, N], got shape {w.shape}")
@@ -188,7 +194,7 @@ def quantize_weights(w: jax.Array, bits: int = 8, group_size: int | None = None,
         q = jnp.clip(jnp.round(grouped / scale[:, :, None]), -qmax, qmax)
     q = q.astype(jnp.int8).reshape(n, kp)  # [N, Kp]
     return from_codes(q, scale.T, None if zero is None else zero.T, bits=bits, group_size=group,
-                      in_features=k, pack=default_pack(group_size, kp) if bits == 4 else None)
+                      in_features=k, pack=(pack or default_pack(group_size, kp)) if bits == 4 else None)
 
 
 def _positive(scale: jax.Array) -> jax.Array:

@@ -251,3 +251,18 @@ def test_gguf_wrong_shape(tmp_path: Path) -> None:
     tensors = {**_tiny_gguf_tensors(), "blk.0.attn_k.weight": np.zeros((6, 8), np.float32)}
     with pytest.raises(CheckpointError, match=r"'blk.0.attn_k.weight' has shape \[6, 8\] but the model config needs \[4, 8\]"):
         load(_write_gguf(tmp_path / "w.gguf", "llama", tensors))
+
+
+@pytest.mark.parametrize("plan, ok", [({}, True), ({"layers.mlp.up": {"bits": 8}}, True),
+                                      ({"layers.mlp.up": {"bits": 4}}, False)])
+def test_orbax_format_1_reads_unless_it_holds_int4(tmp_path: Path, plan: dict, ok: bool) -> None:
+    """Format 2 stores int4 codes as two's complement nibbles; a format-1 checkpoint with int4 weights (codes
+    stored + 8) would decode wrong, so it is refused with what to do, and any other format-1 one still reads."""
+    from jaxinfer.checkpoint.orbax import ORBAX_MARKER, OrbaxCheckpoint
+
+    (tmp_path / ORBAX_MARKER).write_text(json.dumps({"format_version": 1, "quantization_plan": plan}))
+    if ok:
+        assert OrbaxCheckpoint(tmp_path).meta["format_version"] == 1
+    else:
+        with pytest.raises(CheckpointError, match=r"code \+ 8.*convert it again"):
+            OrbaxCheckpoint(tmp_path).meta
