@@ -14,13 +14,16 @@ it measured, and a second call with `--sections ... --out` of the same file adds
   ceilings  copy bandwidth (best of plain XLA passes and a plain copy) and the bf16 8192^3 matmul rate;
   kernels   the Llama-3-8B weight set (32 layers of qkv, o, gate, up, down) streamed through one matvec
             each in one jit, M = 1, for bf16 / int8 (per channel; and in groups of 128 and 32) / int4 (groups of 32 with zero points, as
-            quantization="int4" stores it; and groups of 128): int8's % of copy bandwidth and int4's tokens/s
+            quantization="int4" stores it; groups of 128; groups of 32 in plain order, pack 2): int8's % of
+            copy bandwidth and int4's tokens/s
             over int8's; fp8 W8A8 against bf16 at M = 256, 1024, 4096 on
             4096 x 14336 (each against the same bf16 product and against the 8192^3 rate);
   tilings_m1, tilings_fp8   (not in the default set) the same kernels under alternative tilings, device time from a profiler
             trace: the weight-only kernel at M = 1 over K step x pipeline depth x split-K for int8 and int4,
             and fp8 W8A8 at M = 256 / 1024 / 4096 for the Pallas rows kernel's tilings and XLA's own fp8
             dot (cuBLASLt), each beside the bf16 product; the table the defaults were chosen from;
+  chains_m1 (not in the default set) the weight-only kernel at M = 1 at small pipelines and more split-K: CTAs
+            per SM against latency;
   m_scale   (not in the default set) int8 / int4 weight-only from 16 rows to 8,192: the Pallas kernel against
             dequantize-then-dot and the bf16 dot (where quantized_matmul switches to dequantize + dot);
   decode    engine decode at batch 1 (ctx 512, 128 steps) for bf16, int8, int4 (groups of 32) and int4:128
@@ -55,7 +58,7 @@ import jax.numpy as jnp
 from jaxinfer.bench.measure import copy_bandwidth, matmul_rate, median_time, offline_throughput
 from jaxinfer.bench.workloads import fixed
 
-SECTIONS = ("ceilings", "kernels", "tilings_m1", "tilings_fp8", "m_scale", "decode", "offline")
+SECTIONS = ("ceilings", "kernels", "tilings_m1", "tilings_fp8", "chains_m1", "m_scale", "decode", "offline")
 
 
 def sizes(smoke: bool) -> dict[str, Any]:
@@ -87,7 +90,8 @@ def ceilings(s: dict[str, Any]) -> dict[str, Any]:
 
 
 # The weight-only formats the sweeps time: int8 per channel, int4 as quantization="int4" stores it (groups of 32
-# with zero points) and int4 in groups of 128.
+# with zero points, chunk-halves order) and int4 in groups of 128. The kernels section adds int4 in plain order
+# (pack 2, which the GPU kernel reads with Mosaic's int4 conversion but the engine does not store yet).
 WEIGHT_ONLY_FORMATS = {"int8": dict(bits=8), "int4": dict(bits=4, group_size=32, zero_point=True),
                        "int4_g128": dict(bits=4, group_size=128, zero_point=True)}
 
@@ -128,11 +132,13 @@ def nbytes(tree: Any) -> int:
 
 
 def m1_kernels(s: dict[str, Any], copy_bw: float) -> dict[str, Any]:
-    """The weight set at M = 1 for bf16, int8 per channel and int4 with zero points in groups of 32 / 128."""
+    """The weight set at M = 1 for bf16, int8 per channel / in groups of 128 and 32, and int4 with zero points in
+    groups of 32 / 128 (and in groups of 32 in plain order)."""
     from pallas_kernels.quantized_matmul import quantize_weights, quantized_matmul
 
     formats = {"bf16": None, **WEIGHT_ONLY_FORMATS, "int8_g128": dict(bits=8, group_size=128),
-               "int8_g32": dict(bits=8, group_size=32)}
+               "int8_g32": dict(bits=8, group_size=32),
+               "int4_natural": dict(bits=4, group_size=32, zero_point=True, pack=2)}
     out = {}
     for name, fmt in formats.items():
         ws = weight_set(s, (lambda w: w) if fmt is None else (lambda w, f=fmt: quantize_weights(w, **f)))
@@ -171,6 +177,7 @@ def kernels(s: dict[str, Any], ceil: dict[str, Any]) -> dict[str, Any]:
             "int8_m1_pct_of_copy_bw": m1["int8"]["pct_of_copy_bw"],
             "int4_over_int8_m1_tok_s": m1["int4"]["tok_s"] / m1["int8"]["tok_s"],
             "int4g128_over_int8_m1_tok_s": m1["int4_g128"]["tok_s"] / m1["int8"]["tok_s"],
+            "int4_natural_over_int8_m1_tok_s": m1["int4_natural"]["tok_s"] / m1["int8"]["tok_s"],
             "fp8_over_bf16_matmul_rate": min(r["over_bf16_ceiling"] for r in fp8.values())}
 
 
@@ -187,26 +194,44 @@ def _device_seconds(fn: Callable[..., Any], arg_sets: list[tuple]) -> float:
 def _m1_tilings(s: dict[str, Any], copy_bw: float) -> list[dict[str, Any]]:
     """The weight-only kernel at M = 1 over the shapes of one layer (qkv, o, gate, up, down; several sets so L2
     serves nothing) for each format x K step x stages x split-K factor; XLA's dequantize-then-dot beside them."""
+    int8 = [dict(tile_k=tk, stages=st, split_factor=f) for tk in (256, 512, 1024) for st in (4, 8) for f in (0.5, 1, 2)]
+    int4 = [dict(tile_k=tk, stages=st, split_factor=f)
+            for tk, st in ((512, 4), (1024, 4), (1024, 8), (2048, 4)) for f in (0.5, 1)]
+    return _layer_sweep(s, copy_bw, {name: int8 if name == "int8" else int4 for name in WEIGHT_ONLY_FORMATS})
+
+
+def _m1_chains(s: dict[str, Any], copy_bw: float) -> list[dict[str, Any]]:
+    """The weight-only kernel at M = 1 over one layer's shapes at small pipelines (2-3 stages, narrower K steps:
+    less shared memory per CTA, so more CTAs and warps per SM) and doubled split-K (more, shorter CTAs): is it
+    bound by the latency one 4-warp CTA cannot hide? (The table gpu's M <= 8 tiling was chosen from.)"""
+    int8 = [dict(tile_k=tk, stages=st, split_factor=f) for tk in (128, 256) for st in (2, 3, 4) for f in (1, 2)]
+    int4 = [dict(tile_k=tk, stages=st, split_factor=f) for tk in (256, 512) for st in (2, 3, 4) for f in (1, 2)]
+    return _layer_sweep(s, copy_bw, {name: int8 if name == "int8" else int4 for name in WEIGHT_ONLY_FORMATS})
+
+
+def _layer_sweep(s: dict[str, Any], copy_bw: float, grid: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Device time of one layer's five shapes for each format and each set of gpu.quantized_matmul overrides in
+    `grid` (split_factor scales the default split-K count), then XLA's dequantize-then-dot."""
     from pallas_kernels.quantized_matmul import dequantize_weights, gpu, quantize_weights
 
     shapes = layer_shapes(s)
-    formats = WEIGHT_ONLY_FORMATS
-    grid = {"int8": [(tk, st, f) for tk in (256, 512, 1024) for st in (4, 8) for f in (0.5, 1, 2)],
-            "int4": [(tk, st, f) for tk, st in ((512, 4), (1024, 4), (1024, 8), (2048, 4)) for f in (0.5, 1)]}
     rows = []
-    for name, fmt in formats.items():
+    for name, overrides in grid.items():
+        fmt = WEIGHT_ONLY_FORMATS[name]
         sets = [[quantize_weights(jax.random.normal(jax.random.key(17 * r + i), (k, n), jnp.bfloat16) * 0.02, **fmt)
                  for i, (k, n) in enumerate(shapes)] for r in range(3)]
         weight_bytes = nbytes(sets[0])
         x = {k: jnp.full((1, k), 0.01, jnp.bfloat16) for k, _ in shapes}
 
-        def layer(ws, tile_k, stages, factor):
-            return [gpu.quantized_matmul(x[w.in_features], w, tile_k=tile_k, stages=stages,
-                                         k_splits=_splits(w, tile_k, stages, factor)) for w in ws]
+        def layer(ws, kw):
+            kw = dict(kw)
+            factor = kw.pop("split_factor", None)
+            return [gpu.quantized_matmul(x[w.in_features], w, **kw, k_splits=None if factor is None else
+                                         _splits(w, kw.get("tile_k"), kw.get("stages"), factor)) for w in ws]
 
-        for tile_k, stages, factor in grid["int8" if name == "int8" else "int4"]:
-            label = dict(format=name, tile_k=tile_k, stages=stages, split_factor=factor)
-            fn = jax.jit(functools.partial(layer, tile_k=tile_k, stages=stages, factor=factor))
+        for kw in overrides:
+            label = dict(format=name, **kw)
+            fn = jax.jit(lambda ws, kw=tuple(sorted(kw.items())): layer(ws, kw))
             try:
                 t = _device_seconds(fn, [(ws,) for ws in sets])
                 rows.append({**label, "us": t * 1e6, "pct_of_copy_bw": 100 * weight_bytes / t / copy_bw})
@@ -223,13 +248,13 @@ def _m1_tilings(s: dict[str, Any], copy_bw: float) -> list[dict[str, Any]]:
     return rows
 
 
-def _splits(w: Any, tile_k: int, stages: int, factor: float) -> int | None:
+def _splits(w: Any, tile_k: int | None, stages: int | None, factor: float) -> int | None:
     """The default split-K count of `w` at this K step, times `factor`; None (the default) where that does not
     divide the K steps."""
     from pallas_kernels.quantized_matmul import gpu
 
     k_steps = w.padded_in_features // gpu.plan(w, 1, tile_k, stages).tile_k
-    splits = int(gpu.default_k_splits(w.out_features // 64, k_steps) * factor)
+    splits = int(gpu.default_k_splits(w.out_features // 64, k_steps, gpu._SM_COVERS_DECODE) * factor)
     return splits if splits >= 1 and k_steps % splits == 0 else None
 
 
@@ -312,7 +337,7 @@ def build(s: dict[str, Any], smoke: bool, **kwargs: Any) -> Any:
     from jaxinfer import LLM
 
     dtype = "float32" if smoke else "bfloat16"
-    llm = LLM(s["model"], random_weights=True, dtype=dtype, use_tqdm=False, **s["engine"], **kwargs)
+    llm = LLM(s["model"], random_weights=True, dtype=dtype, use_tqdm=False, **{**s["engine"], **kwargs})
     llm.wait_for_background_compile()  # steady-state speed: every build warmup compiles, in place
     return llm
 
@@ -413,11 +438,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     steps = {"ceilings": lambda: ceilings(s), "kernels": lambda: kernels(s, result["ceilings"]),
              "tilings_m1": lambda: {"rows": _m1_tilings(s, result["ceilings"]["copy_bw"])},
+             "chains_m1": lambda: {"rows": _m1_chains(s, result["ceilings"]["copy_bw"])},
              "m_scale": lambda: {"rows": _m_scale(s, result["ceilings"]["bf16_matmul_rate"])},
              "tilings_fp8": lambda: {"rows": _fp8_tilings(s, result["ceilings"]["bf16_matmul_rate"])},
              "decode": lambda: decode_b1(s, args.smoke, args.only), "offline": lambda: offline(s, args.smoke, args.only)}
     for name in args.sections:
-        if name in ("kernels", "tilings_m1", "tilings_fp8", "m_scale") and "ceilings" not in result:
+        if name in ("kernels", "tilings_m1", "tilings_fp8", "chains_m1", "m_scale") and "ceilings" not in result:
             result["ceilings"] = ceilings(s)
         start = time.perf_counter()
         try:
@@ -442,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/quantized.json"))
-    parser.add_argument("--sections", default=",".join(x for x in SECTIONS if not x.startswith("tilings") and x != "m_scale"),
+    parser.add_argument("--sections", default=",".join(x for x in SECTIONS
+                                                      if not x.startswith(("tilings", "chains")) and x != "m_scale"),
                         help="comma-separated: " + ", ".join(SECTIONS))
     parser.add_argument("--only", type=lambda v: set(v.split(",")), default=None,
                         help="decode / offline: only these runs (formats such as int8, or offline keys)")

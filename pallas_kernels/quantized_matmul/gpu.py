@@ -2,22 +2,35 @@
 
 At decode sizes (M = 1..64) the product is bound by reading the weights, so the kernel computes
 `y^T [N, M] = W [N, K] @ x^T [K, M]`: a 64-row weight tile is the wgmma M operand, dequantized from
-SMEM into registers (int8 / fp8 -> bf16 exactly; int4 nibbles -> bf16; grouped scales multiplied in
-on the way), and the few activation rows are the narrow wgmma N dimension (padded to a multiple of
+SMEM into registers (int8 / fp8 / int4 -> bf16 exactly; grouped scales multiplied in on the way),
+and the few activation rows are the narrow wgmma N dimension (padded to a multiple of
 8 only). Each CTA owns 64 output channels and one K slice (split-K, sized so the grid covers every
-SM twice); `plgpu.emit_pipeline` keeps `_STAGES` weight/activation tiles in flight. Split-K
+SM a few times); `plgpu.emit_pipeline` keeps a few weight/activation tiles in flight. Split-K
 partials (fp32, [splits, N, Mp]) are summed and per-channel scales applied in the wrapper, which is
 a few hundred KB of traffic next to the megabytes of weights.
 
-Pieces. A pipeline step covers `tile_k` of K. Its weights arrive as one or more SMEM blocks, each a
-BlockSpec of its own, so no swizzled tile is ever sliced:
-* 8-bit per channel: one `[64, tile_k]` block;
-* 8-bit grouped (GGUF Q8_0 / Q5_* / Q6_K repacks, groups 16-128): one `[64, min(group, 128)]`
-  block per piece, dequantized with its group's scale row;
-* int4: one `[64, pack / 2]`-byte block per packing chunk, unpacked into two halves of pack / 2
-  elements; each half lies inside one group (reference.default_pack), so it takes one scale row.
-The activation tile is swizzled at the width of one piece so each piece's columns are a whole
-number of swizzle tiles. Zero points (GGUF mins) are added by the wrapper: `xsum @ zeros`.
+Blocks and parts. A pipeline step covers `tile_k` of K and brings its weights in as SMEM blocks, each
+a BlockSpec of its own, so no swizzled tile is ever sliced in SMEM:
+* 8-bit and int4 in natural order (pack 2): one `[64, tile_k]` block per step. int8 widens to bf16 by
+  Mosaic GPU's conversion, int4 too (the packed bytes are handed to the kernel as an int4 array; eight
+  codes become four bf16 pairs with a few logic ops and a subtraction, no int -> float instructions). Grouped weights (GGUF Q8_0 / Q5_* / Q6_K repacks, int4 groups) are then sliced in
+  registers into one part per group, each multiplied by its scale row in bf16. A block per group
+  instead (16-byte rows for int4 groups of 32) took a TMA copy and a barrier per 1-2 KB: the pipeline
+  alone, with no arithmetic, streamed int4 at 45% of copy bandwidth against int8's 86%.
+* int4 in chunk halves (pack 32/64/128, what the engine stores on every platform): one
+  `[64, pack / 2]`-byte block per packing chunk, unpacked through int32 and f32 into two halves of
+  pack / 2 elements; each half lies inside one group (reference.default_pack), so it takes one scale row.
+  Natural order streams the 8B weight set 1.29x faster (H200, M = 1), but the engine does not store it
+  yet: with it, decode at batch 1 took 14.6 ms a step against 5.9 ms for bf16. The suspect is the uint8
+  -> int4 view below, which XLA may compile as a conversion that writes the weights again on every
+  step rather than as a bitcast; storing natural int4 as jnp.int4 arrays at load would remove it.
+The activation tile is swizzled at the width of one part so each part's columns are a whole number
+of swizzle tiles. Zero points (GGUF mins) are added by the wrapper: `xsum @ zeros`.
+
+Tiling. At decode (M <= 8) a step is 256 wide, 2 steps are in flight and split-K covers the SMs four
+times: smaller CTAs, more of them per SM, hide more latency (H200, one Llama-3-8B layer at M = 1: int4
+in groups of 32 156 -> 88 us, int8 per channel 88 -> 83 us against the older 512/256-wide steps, 4 in
+flight, two covers; docs/PERFORMANCE.md). Wider M keeps the older tiling, which was measured there.
 
 Interpret mode (CPU): the interpreter's wgmma reads only SMEM operands, so with interpret=True each
 dequantized piece is staged through an SMEM buffer first; everything else is the kernel's code.
@@ -33,29 +46,34 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.quantized_matmul.reference import (QuantizedWeights, dequantize_weights,
+from jax._src import dtypes
+
+from pallas_kernels.quantized_matmul.reference import (NATURAL_PACK, QuantizedWeights, dequantize_weights,
                                                         pad_activations, zero_point_term)
 
 _TILE_N = 64  # wgmma M: output channels per CTA
-_TILE_K_INT4 = 512  # int4: 16 KB of weights per pipeline step; a 128-wide step was bound by its
-                    # fixed per-step cost (copy wait, barrier, wgmma wait), not by the weight bytes
-_TILE_K_8BIT = 256  # int8/fp8: 16 KB of weights per step
-_MAX_PIECE = 128  # widest 8-bit grouped piece (and int4 packing chunk)
+_TILE_K_INT4 = 512  # int4 at M > 8: 16 KB of weights per pipeline step
+_TILE_K_8BIT = 256  # int8/fp8 at M > 8: 16 KB of weights per step
+_TILE_K_DECODE = 256  # every format at M <= 8 (module docstring: Tiling)
 _MAX_TILE_M = 128
-_STAGES = 4
+_STAGES = 4  # steps in flight at M > 8
+_STAGES_DECODE = 2  # at M <= 8
+_SM_COVERS = 2  # split-K makes the grid about this many CTAs per SM at M > 8
+_SM_COVERS_DECODE = 4
 _NUM_SMS = 132
 _SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper block may use, leaving room for Mosaic's barriers
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-    """The static shape of one call: step width, SMEM pieces per step and their K widths."""
+    """The static shape of one call: step width, SMEM blocks per step and their K widths."""
 
     tile_m: int
     tile_k: int
     piece_k: int  # K elements of one SMEM weight block
-    halves: int  # dequantized parts per block: 2 for int4 (low/high nibbles), 1 otherwise
+    halves: int  # dequantized halves per block: 2 for chunk-halves int4 (low/high nibbles), 1 otherwise
     scale_rows: int  # scale rows one step reads (0: per channel, applied by the wrapper)
+    group: int  # K elements per scale row
     stages: int = _STAGES  # pipeline steps in flight
 
     @property
@@ -64,24 +82,37 @@ class Plan:
 
     @property
     def part_k(self) -> int:
-        """K elements of one dequantized part (the activation swizzle follows it)."""
+        """K elements of one dequantized part (the activation swizzle follows it): a group of a wide
+        grouped block, half a chunk-halves block, else the block."""
+        if self.halves == 1 and self.scale_rows and self.group < self.piece_k:
+            return self.group
         return self.piece_k // self.halves
 
 
 def _transforms(dtype, minor: int):
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    bits = jnp.dtype(dtype).itemsize * 8
+    bits = dtypes.itemsize_bits(dtype)
     swizzle = plgpu.find_swizzle(minor * bits)
     if swizzle == 16:  # 16-byte rows (8-bit groups of 16) take no swizzle, only the 8-row tiling
         return (plgpu.TilingTransform((8, 16 * 8 // bits)),)
     return (plgpu.TilingTransform((8, swizzle * 8 // bits)), plgpu.SwizzleTransform(swizzle))
 
 
+def _chunk_halves(wq: QuantizedWeights) -> bool:
+    """int4 packed in chunk halves (unpacked by hand) rather than natural order (Mosaic's int4 loads)."""
+    return wq.bits == 4 and wq.pack != NATURAL_PACK
+
+
 def _piece_k(wq: QuantizedWeights, tile_k: int) -> int:
-    if wq.bits == 4:
+    return wq.pack if _chunk_halves(wq) else tile_k
+
+
+def _unit(wq: QuantizedWeights) -> int:
+    """A K step must be a multiple of this: the packing chunk, the group (up to 128) or 32."""
+    if _chunk_halves(wq):
         return wq.pack
-    return tile_k if wq.per_channel else min(wq.group_size, _MAX_PIECE)
+    return 32 if wq.per_channel else min(wq.group_size, 128)
 
 
 def smem_bytes(wq: QuantizedWeights, tile_m: int, tile_k: int, interpret: bool = False,
@@ -95,13 +126,24 @@ def smem_bytes(wq: QuantizedWeights, tile_m: int, tile_k: int, interpret: bool =
     return stages * per_stage + _TILE_N * tile_m * 4 + staging
 
 
-def step_k(wq: QuantizedWeights, tile_m: int = 8, preferred: int | None = None, stages: int = _STAGES) -> int:
+def _decode(tile_m: int) -> bool:
+    return tile_m <= 8
+
+
+def default_stages(m: int) -> int:
+    return _STAGES_DECODE if _decode(-(-m // 8) * 8) else _STAGES
+
+
+def step_k(wq: QuantizedWeights, tile_m: int = 8, preferred: int | None = None, stages: int | None = None) -> int:
     """K per pipeline step: the preferred size, halved until it divides Kp, holds whole pieces and
-    groups, and the pipeline fits in shared memory (wide activation tiles, M >= 32, take most)."""
+    groups (or lies inside one), and the pipeline fits in shared memory (wide activation tiles, M >= 32,
+    take most)."""
     kp = wq.padded_in_features
-    unit = wq.pack if wq.bits == 4 else (32 if wq.per_channel else min(wq.group_size, _MAX_PIECE))
-    tile_k = preferred or (_TILE_K_INT4 if wq.bits == 4 else _TILE_K_8BIT)
-    while tile_k > unit and (kp % tile_k or tile_k % unit
+    unit = _unit(wq)
+    stages = stages or default_stages(tile_m)
+    tile_k = preferred or (_TILE_K_DECODE if _decode(tile_m) else _TILE_K_INT4 if wq.bits == 4 else _TILE_K_8BIT)
+    group = wq.group_size
+    while tile_k > unit and (kp % tile_k or tile_k % unit or (group % tile_k and tile_k % group)
                              or smem_bytes(wq, tile_m, tile_k, stages=stages) > _SMEM_BUDGET):
         tile_k //= 2
     if kp % tile_k or tile_k % unit:
@@ -109,57 +151,70 @@ def step_k(wq: QuantizedWeights, tile_m: int = 8, preferred: int | None = None, 
     return tile_k
 
 
-def plan(wq: QuantizedWeights, m: int, tile_k: int | None = None, stages: int = _STAGES) -> Plan:
-    """The call's static shape; `tile_k` overrides the preferred K step (still fitted to Kp and SMEM)."""
+def plan(wq: QuantizedWeights, m: int, tile_k: int | None = None, stages: int | None = None) -> Plan:
+    """The call's static shape; `tile_k` / `stages` override the preferred K step (still fitted to Kp and
+    SMEM) and the steps in flight."""
     mp = -(-m // 8) * 8
     tile_m = min(mp, _MAX_TILE_M)
+    stages = stages or default_stages(m)
     tile_k = step_k(wq, tile_m, tile_k, stages)
     scale_rows = 0 if wq.per_channel else max(1, tile_k // wq.group_size)
-    return Plan(tile_m, tile_k, _piece_k(wq, tile_k), 2 if wq.bits == 4 else 1, scale_rows, stages)
+    return Plan(tile_m, tile_k, _piece_k(wq, tile_k), 2 if _chunk_halves(wq) else 1, scale_rows, wq.group_size,
+                stages)
 
 
-def _dequantized_parts(w_refs, s_smem, wq_meta, p: Plan, dtype):
+def _dequantized_parts(w_refs, s_smem, p: Plan, dtype):
     """The step's weights in registers as [(tile [64, part_k], k offset in the step)], grouped
-    scales multiplied in (int4 halves and 8-bit pieces each sit inside one group)."""
-    bits, group = wq_meta
+    scales multiplied in (each part sits inside one group)."""
     parts = []
     for c, w_ref in enumerate(w_refs):
         base = c * p.piece_k
-        if bits == 8:
-            w = w_ref[...]
-            if w.dtype == jnp.float8_e4m3fn:
-                # ptxas of CUDA 13.0 converts e4m3 only to f16 directly; through f32 is exact too.
-                w = w.astype(jnp.float32)
-            halves = [(w, base)]
-        else:
-            # Mosaic GPU does no arithmetic on 8-bit registers: widen before unpacking the nibbles.
+        if p.halves == 2:
+            # Mosaic GPU does no arithmetic on 8-bit registers: widen before unpacking the nibbles. Each
+            # nibble is a two's complement code: shift it to the top of the word, then back down with sign.
             packed = w_ref[...].astype(jnp.int32)  # [64, pack/2]: element j low, j + pack/2 high
-            halves = [((packed & 0xF).astype(jnp.float32) - 8.0, base),
-                      (((packed >> 4) & 0xF).astype(jnp.float32) - 8.0, base + p.part_k)]
-        for h, off in halves:
-            if p.scale_rows:
-                row = off // group if group <= p.tile_k else 0
-                scale = s_smem[row, :].astype(jnp.float32)  # [64]
-                h = h.astype(jnp.float32) * jax.lax.broadcast_in_dim(scale, (_TILE_N, p.part_k), [0])
-            parts.append((h.astype(dtype), off))
-    return parts
+            parts += [(((packed << 28) >> 28).astype(jnp.float32), base),
+                      (((packed << 24) >> 28).astype(jnp.float32), base + p.part_k)]
+            continue
+        w = w_ref[...]  # [64, piece_k]
+        if w.dtype == jnp.float8_e4m3fn:
+            # ptxas of CUDA 13.0 converts e4m3 only to f16 directly; through f32 is exact too.
+            w = w.astype(jnp.float32)
+        # int8 / int4 codes convert exactly (Mosaic widens them with bit tricks, no int -> float ops).
+        w = w.astype(dtype)
+        if p.part_k == p.piece_k:
+            parts.append((w, base))
+        else:  # a part per group, sliced in registers
+            parts += [(w[:, j:j + p.part_k], base + j) for j in range(0, p.piece_k, p.part_k)]
+    out = []
+    for w, off in parts:
+        w = w.astype(dtype)
+        if p.scale_rows:
+            # One bf16 multiply per weight: the scale rounded to bf16, then the product (the reference
+            # rounds only the fp32 product; the difference is one more bf16 rounding).
+            row = off // p.group if p.group <= p.tile_k else 0
+            scale = s_smem[row, :].astype(dtype)  # [64]
+            w = w * jax.lax.broadcast_in_dim(scale, (_TILE_N, p.part_k), [0])
+        out.append((w, off))
+    return out
 
 
-def _qmm_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, *stage, wq_meta, p: Plan, k_steps_per_split):
-    # x_gmem [Mp, Kp] bf16, w_gmem [N, Kp] (int4: [N, Kp/2]), s_gmem [G, N],
+def _qmm_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, *stage, p: Plan, k_steps_per_split):
+    # x_gmem [Mp, Kp] bf16, w_gmem [N, Kp] (int8 / e4m3 / natural int4; chunk-halves int4: [N, Kp/2] uint8),
+    # s_gmem [G, N],
     # o_gmem [splits, N, Mp] f32 (transposed partial products), o_smem [64, tile_m] f32,
     # stage (interpret mode only): [64, part_k] in the activation dtype.
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    bits, group = wq_meta
+    group = p.group
     ni, ks, mi = (jax.lax.axis_index(a) for a in ("n", "k", "m"))
     k0 = ks * k_steps_per_split
-    w_cols = p.piece_k // 2 if bits == 4 else p.piece_k  # bytes of one piece per row
+    w_cols = p.piece_k // p.halves  # elements of w_gmem in one piece per row
 
     def step(_, *refs, acc_ref):
         w_refs, x_smem, s_smem = refs[:p.pieces], refs[p.pieces], refs[p.pieces + 1]
-        for w, off in _dequantized_parts(w_refs, s_smem, wq_meta, p, x_smem.dtype):
+        for w, off in _dequantized_parts(w_refs, s_smem, p, x_smem.dtype):
             if stage:  # the interpreter's wgmma reads its A operand only from SMEM
                 stage[0][...] = w
                 plgpu.commit_smem()
@@ -195,9 +250,9 @@ def _qmm_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, *stage, wq_meta, p: Plan
     plgpu.wait_smem_to_gmem(0)
 
 
-def default_k_splits(n_tiles: int, k_steps: int) -> int:
-    """Split K until the grid covers every SM about twice, keeping whole steps per split."""
-    want = max(1, -(-2 * _NUM_SMS // n_tiles))
+def default_k_splits(n_tiles: int, k_steps: int, covers: int = _SM_COVERS) -> int:
+    """Split K until the grid covers every SM about `covers` times, keeping whole steps per split."""
+    want = max(1, -(-covers * _NUM_SMS // n_tiles))
     return max(d for d in range(1, min(want, k_steps) + 1) if k_steps % d == 0)
 
 
@@ -229,9 +284,9 @@ def unsupported_reason(wq: QuantizedWeights) -> str | None:
     """None when the kernel takes these weights; else one sentence why not."""
     if wq.out_features % _TILE_N:
         return f"GPU kernel needs N % {_TILE_N} == 0, got {wq.out_features}"
-    if wq.bits == 4 and wq.pack not in (32, 64, 128):
-        return f"GPU kernel takes int4 packing chunks of 32, 64 or 128, got {wq.pack}"
-    if wq.bits == 4 and not wq.per_channel and wq.group_size < wq.pack // 2:
+    if wq.bits == 4 and wq.pack not in (NATURAL_PACK, 32, 64, 128):
+        return f"GPU kernel takes int4 packing chunks of {NATURAL_PACK}, 32, 64 or 128, got {wq.pack}"
+    if _chunk_halves(wq) and not wq.per_channel and wq.group_size < wq.pack // 2:
         return f"GPU kernel needs int4 groups of at least half the packing chunk ({wq.pack // 2})"
     try:
         step_k(wq, 8)
@@ -249,10 +304,10 @@ def _check_supported(wq: QuantizedWeights) -> None:
 @functools.partial(jax.jit, static_argnames=("interpret", "k_splits", "tile_k", "stages"))
 def quantized_matmul(x: jax.Array, wq: QuantizedWeights, *, interpret: bool = False,
                      k_splits: int | None = None, tile_k: int | None = None,
-                     stages: int = _STAGES) -> jax.Array:
+                     stages: int | None = None) -> jax.Array:
     """x [M, K] @ wq -> [M, N] in x.dtype (Mosaic GPU, Hopper). k_splits / tile_k / stages override
-    the split-K count, the K step and the pipeline depth (the defaults above; the tiling sweep in
-    scripts/bench_quantized.py times alternatives)."""
+    the split-K count, the K step and the pipeline depth (the defaults above; the tiling sweeps in
+    scripts/bench_quantized.py time alternatives)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     _check_supported(wq)
@@ -262,9 +317,12 @@ def quantized_matmul(x: jax.Array, wq: QuantizedWeights, *, interpret: bool = Fa
     mp = -(-(-(-m // 8) * 8) // p.tile_m) * p.tile_m
     xp = jnp.pad(pad_activations(x, wq), ((0, mp - m), (0, 0))).astype(compute_dtype)  # [Mp, Kp]
     k_steps = kp // p.tile_k
-    k_splits = k_splits or default_k_splits(n // _TILE_N, k_steps)
-    kernel = functools.partial(_qmm_kernel, wq_meta=(wq.bits, wq.group_size), p=p,
-                               k_steps_per_split=k_steps // k_splits)
+    k_splits = k_splits or default_k_splits(n // _TILE_N, k_steps,
+                                            _SM_COVERS_DECODE if _decode(p.tile_m) else _SM_COVERS)
+    kernel = functools.partial(_qmm_kernel, p=p, k_steps_per_split=k_steps // k_splits)
+    values = wq.values
+    if not _chunk_halves(wq) and wq.bits == 4:  # the same bytes as int4 [N, Kp]: two codes a byte, low first
+        values = jax.lax.bitcast_convert_type(values, jnp.int4).reshape(n, kp)  # [N, Kp/2, 2] -> [N, Kp]
     scratch = [plgpu.SMEM((_TILE_N, p.tile_m), jnp.float32)]
     if interpret:
         scratch.append(plgpu.SMEM((_TILE_N, p.part_k), compute_dtype,
@@ -277,7 +335,7 @@ def quantized_matmul(x: jax.Array, wq: QuantizedWeights, *, interpret: bool = Fa
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(xp, wq.values, wq.scales)
+    )(xp, values, wq.scales)
     y = partials.sum(axis=0).T[:m]  # [M, N] f32
     if wq.per_channel:
         y = y * wq.scales[0].astype(jnp.float32)[None, :]

@@ -9,7 +9,7 @@ import pytest
 
 from pallas_kernels.quantized_matmul import (dequantize_weights, from_codes, quantize_weights,
                                              quantized_matmul, resolve_impl)
-from pallas_kernels.quantized_matmul.reference import pack_int4, unpack_int4
+from pallas_kernels.quantized_matmul.reference import NATURAL_PACK, pack_int4, unpack_int4
 from pallas_kernels.quantized_matmul import gpu
 
 # (M, K, N, bits, group_size, fp8): odd M, K off the 128 grid, N off the 512/256 blocks,
@@ -31,9 +31,11 @@ SHAPES = {
 
 
 def _quantize(w, bits, group, mode):
-    """mode: False, True (fp8 weight-only), "zp" (zero points) or "w8a8" (fp8 weights and activations)."""
-    return quantize_weights(w, bits=bits, group_size=group, fp8=mode in (True, "w8a8"), zero_point=mode == "zp",
-                            w8a8=mode == "w8a8")
+    """mode: False, True (fp8 weight-only), "zp" (zero points), "w8a8" (fp8 weights and activations),
+    "natural" / "natural_zp" (int4 in plain order, the GPU default, without / with zero points)."""
+    return quantize_weights(w, bits=bits, group_size=group, fp8=mode in (True, "w8a8"),
+                            zero_point=mode in ("zp", "natural_zp"), w8a8=mode == "w8a8",
+                            pack=NATURAL_PACK if mode in ("natural", "natural_zp") else None)
 
 
 def _inputs(rng, m, k, n, dtype):
@@ -97,15 +99,27 @@ def test_reference_within_quantization_error(rng, name):
     assert _rel(got, exact) < {8: 0.06 if fp8 else 0.015, 4: 0.16}[bits]
 
 
-@pytest.mark.parametrize("pack", [32, 64, 128])
+@pytest.mark.parametrize("pack", [NATURAL_PACK, 32, 64, 128])
 def test_int4_packing_roundtrips(rng, pack):
     q = jnp.asarray(rng.integers(-8, 8, size=(16, 384)), jnp.int8)
     packed = pack_int4(q, pack)
     assert packed.shape == (16, 192) and packed.dtype == jnp.uint8
     np.testing.assert_array_equal(unpack_int4(packed, pack), q)
-    # Byte j of a chunk holds element j (low nibble) and j + pack / 2 (high nibble), stored as q + 8.
-    np.testing.assert_array_equal(np.asarray(packed[:, 0]) & 0xF, np.asarray(q[:, 0]) + 8)
-    np.testing.assert_array_equal(np.asarray(packed[:, 0]) >> 4, np.asarray(q[:, pack // 2]) + 8)
+    # Byte j of a chunk holds element j (low nibble) and j + pack / 2 (high nibble), two's complement.
+    np.testing.assert_array_equal(np.asarray(packed[:, 0]) & 0xF, np.asarray(q[:, 0]) & 0xF)
+    np.testing.assert_array_equal(np.asarray(packed[:, 0]) >> 4, np.asarray(q[:, pack // 2]) & 0xF)
+
+
+def test_natural_int4_packing_is_jax_int4_bytes(rng):
+    """pack 2 stores exactly the bytes of a jnp.int4 array (what the GPU kernel bitcasts its weights to), and
+    the NumPy packer of the loaders writes the same bytes as the jnp one."""
+    from jaxinfer.quantization import pack_int4 as pack_int4_host
+
+    q = rng.integers(-8, 8, size=(8, 64)).astype(np.int8)
+    packed = pack_int4(jnp.asarray(q), NATURAL_PACK)
+    as_int4 = jax.lax.bitcast_convert_type(packed, jnp.int4).reshape(8, 64)  # [8, 32, 2] -> [8, 64]
+    np.testing.assert_array_equal(np.asarray(as_int4.astype(jnp.int8)), q)
+    np.testing.assert_array_equal(pack_int4_host(q, NATURAL_PACK), np.asarray(packed))
 
 
 def test_from_codes_is_exact_with_zero_points(rng):
@@ -150,14 +164,19 @@ def test_auto_impl_and_shape_errors():
         quantized_matmul(jnp.ones((2, 200)), wq, impl="reference")
 
 
-@pytest.mark.parametrize("bits, group", [(4, 128), (8, None), (4, 32), (8, 32), (8, 16)])
+@pytest.mark.parametrize("bits, group, pack", [(4, 128, None), (8, None, None), (4, 32, None), (8, 32, None),
+                                               (8, 16, None), (4, 32, NATURAL_PACK), (4, 384, NATURAL_PACK)])
 @pytest.mark.parametrize("k", [576, 640, 4096, 14336])
-def test_kernel_step_fits_shared_memory_and_divides_k(bits, group, k):
-    wq = quantize_weights(jnp.ones((k, 64)), bits=bits, group_size=group)
+def test_kernel_step_fits_shared_memory_and_divides_k(bits, group, pack, k):
+    if group == 384 and k % 384:
+        return  # a group must divide K (the quantizer refuses it before the kernel sees it)
+    wq = quantize_weights(jnp.ones((k, 64)), bits=bits, group_size=group, pack=pack)
     for m in (1, 8, 16, 32, 64, 128):
-        tile_k = gpu.step_k(wq, m)
-        assert wq.padded_in_features % tile_k == 0 and tile_k >= 32
-        assert gpu.smem_bytes(wq, m, tile_k) <= gpu._SMEM_BUDGET, (m, tile_k)
+        p = gpu.plan(wq, m)
+        assert wq.padded_in_features % p.tile_k == 0 and p.tile_k >= 32
+        assert p.tile_k % wq.group_size == 0 or wq.group_size % p.tile_k == 0  # a step never straddles a group
+        assert p.stages == gpu.default_stages(m) and p.tile_k % p.part_k == 0
+        assert gpu.smem_bytes(wq, m, p.tile_k, stages=p.stages) <= gpu._SMEM_BUDGET, (m, p.tile_k)
 
 
 # GPU kernel cases (M, K, N, bits, group, mode): every piece layout (8-bit per channel and groups
@@ -171,6 +190,9 @@ GPU_CASES = {
     "int4_g64": (1, 640, 64, 4, 64, False),
     "int4_g128": (7, 512, 128, 4, 128, False),
     "int4_pc": (1, 256, 128, 4, None, False),
+    "int4_natural_g32_zp_k576": (3, 576, 128, 4, 32, "natural_zp"),
+    "int4_natural_g128": (2, 1024, 128, 4, 128, "natural"),
+    "int4_natural_pc": (1, 512, 64, 4, None, "natural"),
     "fp8_weight_only": (4, 256, 128, 8, None, True),
     "w8a8_cols": (5, 256, 128, 8, None, "w8a8"),
     "w8a8_rows": (130, 256, 256, 8, None, "w8a8"),
@@ -178,7 +200,7 @@ GPU_CASES = {
 
 
 @pytest.mark.parametrize("name", ["int8_g32_k576", "int8_g16", "int4_g32_zp_k576", "int4_pc", "w8a8_cols",
-                                  "w8a8_rows"])
+                                  "w8a8_rows", "int4_natural_g32_zp_k576", "int4_natural_g128", "int4_natural_pc"])
 def test_gpu_kernel_in_interpret_mode_matches_reference(rng, name):
     """The Mosaic GPU kernels run by Pallas' GPU interpreter on CPU (dequantized pieces staged through
     SMEM, the interpreter's wgmma reads only SMEM operands)."""
@@ -187,6 +209,19 @@ def test_gpu_kernel_in_interpret_mode_matches_reference(rng, name):
     wq = _quantize(w, bits, group, mode)
     got = quantized_matmul(x, wq, impl="gpu", interpret=True)
     assert got.shape == (m, n) and got.dtype == jnp.bfloat16
+    assert _rel(got, quantized_matmul(x, wq, impl="reference").astype(jnp.float32)) < 1e-2
+
+
+@pytest.mark.parametrize("name, kw", [("int8_pc_k320", dict(tile_k=64, stages=3, k_splits=5)),
+                                      ("int4_natural_g32_zp_k576", dict(tile_k=192, stages=2, k_splits=3)),
+                                      ("int8_g16", dict(tile_k=128, stages=4))])
+def test_gpu_kernel_tiling_overrides_in_interpret_mode(rng, name, kw):
+    """The overrides the tiling sweeps time (K step, steps in flight, split-K) give the same product, with a
+    grouped block sliced into several group parts in registers."""
+    m, k, n, bits, group, mode = GPU_CASES[name]
+    x, w = _inputs(rng, m, k, n, jnp.bfloat16)
+    wq = _quantize(w, bits, group, mode)
+    got = gpu.quantized_matmul(x, wq, interpret=True, **kw)
     assert _rel(got, quantized_matmul(x, wq, impl="reference").astype(jnp.float32)) < 1e-2
 
 
@@ -246,7 +281,11 @@ def test_gpu_kernel_lowers_for_cuda(name):
     (1, 4096, 14336, 8, None, "w8a8"), (64, 4096, 1024, 8, None, "w8a8"), (512, 4096, 14336, 8, None, "w8a8"),
     (300, 1024, 384, 8, None, "w8a8"),
     # Many rows: dequantize + XLA's dot (gpu.DEQUANTIZE_FROM_M).
-    (512, 4096, 1024, 8, None, False), (256, 4096, 1024, 4, 32, "zp")])
+    (512, 4096, 1024, 8, None, False), (256, 4096, 1024, 4, 32, "zp"),
+    # int4 in plain order (the GPU default): Mosaic's int4 loads and conversion, groups in bf16.
+    (1, 4096, 14336, 4, 32, "natural_zp"), (64, 4096, 1024, 4, 128, "natural"), (5, 640, 256, 4, None, "natural"),
+    (1, 576, 1536, 4, 32, "natural_zp"), (8, 2048, 640, 4, 64, "natural"), (128, 4096, 16896, 4, 32, "natural_zp"),
+    (256, 4096, 1024, 4, 32, "natural_zp")])
 def test_gpu_kernel_matches_reference(rng, m, k, n, bits, group, fp8):
     x, w = _inputs(rng, m, k, n, jnp.bfloat16)
     wq = _quantize(w, bits, group, fp8)
@@ -254,3 +293,4 @@ def test_gpu_kernel_matches_reference(rng, m, k, n, bits, group, fp8):
     want = quantized_matmul(x, wq, impl="reference")
     assert got.dtype == jnp.bfloat16
     assert _rel(got, want.astype(jnp.float32)) < 1e-2
+
