@@ -17,8 +17,9 @@ point per group) in groups of 32 by default ("int4:G" to choose), since int4's 1
 waste about one of its four bits on every group whose values are not centred, and wider groups let one
 large value coarsen 127 others. Measured on SmolLM2 (docs/QUANTIZATION.md): top-1 agreement 61-69%
 symmetric or asymmetric in groups of 64/128, 98.5% asymmetric in groups of 32 (llama.cpp's Q4 blocks are
-32 wide for the same reason). Groups of 128 cost less scale traffic on GPU: "int4:128" where speed matters
-more. fp8: e4m3 per channel with per-row e4m3 activations (W8A8).
+32 wide for the same reason). int4's scales and zero points are fp16 (codes are chosen against the rounded
+numbers): in fp32 they were a third of the bytes of a weight in groups of 32. Groups of 128 cost less scale
+traffic on GPU: "int4:128" where speed matters more. fp8: e4m3 per channel with per-row e4m3 activations (W8A8).
 
 Which weights: every matrix of a linear layer, the embedding table and the LM head; not norms, not
 the MoE router (its logits pick the experts; it is tiny). In int4 and fp8 modes the embedding and
@@ -195,8 +196,9 @@ def method_plan(specs: Any, config: QuantizationConfig) -> Plan:
             plan[path] = QFormat(8, fp8=True, w8a8=True)
         elif config.method == "int8":
             plan[path] = QFormat(8, config.group_size)
-        else:  # asymmetric: int4's 16 levels span each group's [min, max] rather than +-absmax
-            plan[path] = QFormat(4, _int4_group(path, view.k, config.group_size), zeros=True)
+        else:  # asymmetric: int4's 16 levels span each group's [min, max] rather than +-absmax. Scales and
+            # zero points in fp16: in fp32 they were a third of an int4 g32 weight's bytes.
+            plan[path] = QFormat(4, _int4_group(path, view.k, config.group_size), zeros=True, scale_dtype="float16")
     return plan
 
 
@@ -338,17 +340,28 @@ def quantize_matrix(w: np.ndarray, fmt: QFormat) -> tuple[np.ndarray, np.ndarray
     qmax = np.float32(127.0 if fmt.bits == 8 else 7.0)
     if fmt.zeros:  # the group's [min, max] onto all 2 qmax + 2 codes: value = code * scale + zero
         lo, hi = wt.min(axis=-1), wt.max(axis=-1)  # [N, G]
-        scale = _positive((hi - lo) / (2 * qmax + 1))
-        zero = lo + (qmax + 1) * scale  # code -qmax - 1 is the group's minimum
+        scale = _stored(_positive((hi - lo) / (2 * qmax + 1)), fmt)
+        zero = _stored(lo + (qmax + 1) * scale, fmt)  # code -qmax - 1 is the group's minimum
         codes = np.clip(np.round((wt - zero[:, :, None]) / scale[:, :, None]), -qmax - 1, qmax)
         return codes.astype(np.int8).reshape(n, k), scale.T.astype(np.float32), zero.T.astype(np.float32)
-    scale = _positive(amax / qmax)
+    scale = _stored(_positive(amax / qmax), fmt)
     codes = np.clip(np.round(wt / scale[:, :, None]), -qmax, qmax).astype(np.int8).reshape(n, k)
     return codes, scale.T.astype(np.float32), None
 
 
 def _positive(scale: np.ndarray) -> np.ndarray:
     return np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
+
+
+def _stored(x: np.ndarray, fmt: QFormat) -> np.ndarray:
+    """x as the format stores it (fp32, or rounded to fp16), so codes are chosen against the stored numbers."""
+    if fmt.scale_dtype == "float32":
+        return x
+    rounded = x.astype(np.float16)
+    if not np.all(np.isfinite(rounded)):
+        raise QuantizationError(f"a scale or zero point of {np.max(np.abs(x)):.3g} does not fit float16 "
+                                f"({fmt.describe()}); these weights need fp32 scales (quantization='int8').")
+    return rounded.astype(np.float32)
 
 
 def pack_int4(codes: np.ndarray, pack: int) -> np.ndarray:

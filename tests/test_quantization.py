@@ -97,6 +97,23 @@ def test_int4_group_that_does_not_divide_k_names_the_weight_and_format(no_loadin
         LLM("smollm2-135m-instruct", quantization="int4:512", use_tqdm=False)
 
 
+def test_int4_scales_and_zero_points_are_fp16_and_codes_fit_the_stored_numbers() -> None:
+    """quantization="int4" stores each group's scale and zero point in fp16 (a third of a g32 weight's bytes in
+    fp32); the codes are chosen against the rounded numbers, so each weight is still within half a step."""
+    fmt = QuantizationConfig.parse("int4")
+    plan = method_plan(LLAMA.param_specs(tiny_config(), jnp.float32), fmt)
+    int4 = [f for f in plan.values() if f.bits == 4]
+    assert int4 and all(f.scale_dtype == "float16" and f.zeros for f in int4)
+    w = np.random.default_rng(0).standard_normal((128, 64)).astype(np.float32) * 0.05 + 0.3  # off-centre groups
+    codes, scales, zeros = quantization.quantize_matrix(w, int4[0])
+    assert np.array_equal(scales, scales.astype(np.float16).astype(np.float32))
+    assert np.array_equal(zeros, zeros.astype(np.float16).astype(np.float32))
+    g = int4[0].group
+    deq = codes.astype(np.float32).reshape(64, -1, g) * scales.T[:, :, None] + zeros.T[:, :, None]  # [N, G, g]
+    err = np.abs(deq.reshape(64, 128).T - w)  # [K, N]
+    assert np.all(err <= np.repeat(scales, g, axis=0) * 0.5 * 1.001)
+
+
 def test_unknown_quantization_method_is_refused_by_name(no_loading: None) -> None:
     with pytest.raises(InvalidInput, match="quantization"):
         LLM("smollm2-135m-instruct", quantization="int3", use_tqdm=False)
