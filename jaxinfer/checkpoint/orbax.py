@@ -28,7 +28,8 @@ from jaxinfer.quantization import Plan, plan_from_json, plan_to_json, quantize_p
 from jaxinfer.sharding import ShardingRules
 
 ORBAX_MARKER = "jaxinfer_model.json"
-FORMAT_VERSION = 2  # 2: int4 codes are two's complement nibbles (1 stored code + 8; float weights read the same)
+FORMAT_VERSION = 2  # 2: int4 codes are two's complement nibbles (version 1 stored code + 8; its float and 8-bit
+                    # checkpoints still read)
 
 
 def save_checkpoint(dst: str | Path, cfg: ModelConfig, weights: Any, tokenizer: Any, plan: Plan | None = None) -> Path:

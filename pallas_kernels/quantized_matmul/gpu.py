@@ -13,8 +13,9 @@ Blocks and parts. A pipeline step covers `tile_k` of K and brings its weights in
 a BlockSpec of its own, so no swizzled tile is ever sliced in SMEM:
 * 8-bit and int4 in natural order (pack 2): one `[64, tile_k]` block per step. int8 widens to bf16 by
   Mosaic GPU's conversion, int4 too (the packed bytes are handed to the kernel as an int4 array; eight
-  codes become four bf16 pairs with a few logic ops and a subtraction, no int -> float instructions). Grouped weights (GGUF Q8_0 / Q5_* / Q6_K repacks, int4 groups) are then sliced in
-  registers into one part per group, each multiplied by its scale row in bf16. A block per group
+  codes become four bf16 pairs with a few logic ops and a subtraction, no int -> float instructions).
+  Grouped weights (GGUF Q8_0 / Q5_* / Q6_K repacks, int4 groups) are then sliced in registers into
+  one part per group, each multiplied by its scale row in bf16. A block per group
   instead (16-byte rows for int4 groups of 32) took a TMA copy and a barrier per 1-2 KB: the pipeline
   alone, with no arithmetic, streamed int4 at 45% of copy bandwidth against int8's 86%.
 * int4 in chunk halves (pack 32/64/128, what the engine stores on every platform): one
@@ -28,9 +29,10 @@ The activation tile is swizzled at the width of one part so each part's columns 
 of swizzle tiles. Zero points (GGUF mins) are added by the wrapper: `xsum @ zeros`.
 
 Tiling. At decode (M <= 8) a step is 256 wide, 2 steps are in flight and split-K covers the SMs four
-times: smaller CTAs, more of them per SM, hide more latency (H200, one Llama-3-8B layer at M = 1: int4
-in groups of 32 156 -> 88 us, int8 per channel 88 -> 83 us against the older 512/256-wide steps, 4 in
-flight, two covers; docs/PERFORMANCE.md). Wider M keeps the older tiling, which was measured there.
+times: smaller CTAs, more of them per SM, hide more latency. H200, one Llama-3-8B layer at M = 1, device
+time: int4 in groups of 32 157 us under the older tiling (512/256-wide steps, 4 in flight, two covers),
+109 us under this one, 88 us with one block per step as well; int8 per channel 88 -> 83 us
+(docs/PERFORMANCE.md, issue 15). Wider M keeps the older tiling, which was measured there.
 
 Interpret mode (CPU): the interpreter's wgmma reads only SMEM operands, so with interpret=True each
 dequantized piece is staged through an SMEM buffer first; everything else is the kernel's code.

@@ -12,7 +12,8 @@ Storage format (`QuantizedWeights`), chosen for the kernels:
   match at call time. (jaxinfer quantizes only weights whose K needs no padding.)
 * scales are `[Kp // group_size, N]`: one row per K group (a single row for per-channel), laid out
   with N last so a kernel multiplies a `[M, N]` partial product by one broadcast row. float32, or
-  float16 where every scale is exactly a float16 (GGUF's legacy blocks store their scales that way).
+  float16 (GGUF's legacy blocks store their scales that way; jaxinfer's int4 rounds its scales and
+  zero points to it).
 * zeros (optional, same shape and dtype family as scales): an offset per group, so a weight is
   `q * scale + zero`. GGUF's Q4_1, Q5_1, Q4_K and Q5_K blocks carry a minimum per block, which
   lands here exactly. Kernels never add it per weight: `x @ (q s + z) = (x @ q) s + xsum @ z`
@@ -23,8 +24,8 @@ Storage format (`QuantizedWeights`), chosen for the kernels:
 * int4 packing (`pack`, the chunk): inside every `pack`-wide chunk of K, byte j holds element j in
   its low nibble and element j + pack/2 in its high nibble, each a two's complement code (q in -8..7).
   `pack` 2 (NATURAL_PACK) is plain int4 order, two codes a byte, low first: the bytes of a jnp.int4
-  [N, Kp] array, which the GPU kernel hands to Mosaic GPU's int4 loads and conversions (the GPU
-  default). Wider chunks unpack into two whole half-chunks, no interleave, which the TPU kernel and
+  [N, Kp] array, which the GPU kernel hands to Mosaic GPU's int4 loads and conversions (not yet what
+  the engine stores: see the GPU kernel's docstring). Wider chunks unpack into two whole half-chunks, no interleave, which the TPU kernel and
   GGUF's own orders want: `pack` is 2 x the group for groups of 32 and 64 (so each half-chunk is
   exactly one group and carries one scale; the group itself when Kp is no multiple of twice the
   group), 128 for larger groups, and for per-channel weights the largest of 128/64/32 dividing Kp.
