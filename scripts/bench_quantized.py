@@ -22,7 +22,7 @@ it measured, and a second call with `--sections ... --out` of the same file adds
             trace: the weight-only kernel at M = 1 over K step x pipeline depth x split-K for int8 and int4,
             and fp8 W8A8 at M = 256 / 1024 / 4096 for the Pallas rows kernel's tilings and XLA's own fp8
             dot (cuBLASLt), each beside the bf16 product; the table the defaults were chosen from;
-  chains_m1 (not in the default set) the weight-only kernel at M = 1 at small pipelines and more split-K: CTAs
+  occupancy_m1 (not in the default set) the weight-only kernel at M = 1 at small pipelines and more split-K: CTAs
             per SM against latency;
   m_scale   (not in the default set) int8 / int4 weight-only from 16 rows to 8,192: the Pallas kernel against
             dequantize-then-dot and the bf16 dot (where quantized_matmul switches to dequantize + dot);
@@ -58,7 +58,7 @@ import jax.numpy as jnp
 from jaxinfer.bench.measure import copy_bandwidth, matmul_rate, median_time, offline_throughput
 from jaxinfer.bench.workloads import fixed
 
-SECTIONS = ("ceilings", "kernels", "tilings_m1", "tilings_fp8", "chains_m1", "m_scale", "decode", "offline")
+SECTIONS = ("ceilings", "kernels", "tilings_m1", "tilings_fp8", "occupancy_m1", "m_scale", "decode", "offline")
 
 
 def sizes(smoke: bool) -> dict[str, Any]:
@@ -200,7 +200,7 @@ def _m1_tilings(s: dict[str, Any], copy_bw: float) -> list[dict[str, Any]]:
     return _layer_sweep(s, copy_bw, {name: int8 if name == "int8" else int4 for name in WEIGHT_ONLY_FORMATS})
 
 
-def _m1_chains(s: dict[str, Any], copy_bw: float) -> list[dict[str, Any]]:
+def _m1_occupancy(s: dict[str, Any], copy_bw: float) -> list[dict[str, Any]]:
     """The weight-only kernel at M = 1 over one layer's shapes at small pipelines (2-3 stages, narrower K steps:
     less shared memory per CTA, so more CTAs and warps per SM) and doubled split-K (more, shorter CTAs): is it
     bound by the latency one 4-warp CTA cannot hide? (The table gpu's M <= 8 tiling was chosen from.)"""
@@ -438,12 +438,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     steps = {"ceilings": lambda: ceilings(s), "kernels": lambda: kernels(s, result["ceilings"]),
              "tilings_m1": lambda: {"rows": _m1_tilings(s, result["ceilings"]["copy_bw"])},
-             "chains_m1": lambda: {"rows": _m1_chains(s, result["ceilings"]["copy_bw"])},
+             "occupancy_m1": lambda: {"rows": _m1_occupancy(s, result["ceilings"]["copy_bw"])},
              "m_scale": lambda: {"rows": _m_scale(s, result["ceilings"]["bf16_matmul_rate"])},
              "tilings_fp8": lambda: {"rows": _fp8_tilings(s, result["ceilings"]["bf16_matmul_rate"])},
              "decode": lambda: decode_b1(s, args.smoke, args.only), "offline": lambda: offline(s, args.smoke, args.only)}
     for name in args.sections:
-        if name in ("kernels", "tilings_m1", "tilings_fp8", "chains_m1", "m_scale") and "ceilings" not in result:
+        if name in ("kernels", "tilings_m1", "tilings_fp8", "occupancy_m1", "m_scale") and "ceilings" not in result:
             result["ceilings"] = ceilings(s)
         start = time.perf_counter()
         try:
@@ -469,7 +469,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/quantized.json"))
     parser.add_argument("--sections", default=",".join(x for x in SECTIONS
-                                                      if not x.startswith(("tilings", "chains")) and x != "m_scale"),
+                                                      if not x.startswith(("tilings", "occupancy")) and x != "m_scale"),
                         help="comma-separated: " + ", ".join(SECTIONS))
     parser.add_argument("--only", type=lambda v: set(v.split(",")), default=None,
                         help="decode / offline: only these runs (formats such as int8, or offline keys)")

@@ -48,8 +48,8 @@
 #                $OUT/quantized_tilings.json
 #   q_mscale     weight-only int8/int4 from M = 16 to 8,192: Pallas vs dequantize + dot vs bf16 ($OUT/quantized_mscale.json)
 #   q_tests      the quantized matmul kernels' gpu-marked tests
-#   q_chains     bench_quantized.py's chains_m1 sweep (piece width, accumulators, pending wgmmas at M = 1):
-#                $OUT/quantized_chains.json
+#   q_occupancy  bench_quantized.py's occupancy_m1 sweep (K step x steps in flight x split-K at M = 1):
+#                $OUT/quantized_occupancy.json
 #   q_kernels, q_decode, q_offline   bench_quantized.py's kernels / decode / offline sections, each adding to
 #                $OUT/quantized.json (issue 15's GPU figures; run q_kernels first, it measures the ceilings);
 #                Q_ONLY=a,b passes --only (decode formats, offline run keys)
@@ -192,8 +192,9 @@ print(f(llm.describe()))' ;;
       run q_mscale 400 python3 scripts/bench_quantized.py --sections ceilings,m_scale --out "$OUT/quantized_mscale.json" ;;
     q_tests)
       run q_tests 400 python3 -m pytest -q -m gpu --durations=5 tests/pallas_kernels/test_quantized_matmul.py ;;
-    q_chains)
-      run q_chains 450 python3 scripts/bench_quantized.py --sections ceilings,chains_m1 --out "$OUT/quantized_chains.json" ;;
+    q_occupancy)
+      run q_occupancy 450 python3 scripts/bench_quantized.py --sections ceilings,occupancy_m1 \
+        --out "$OUT/quantized_occupancy.json" ;;
     q_kernels)
       run q_kernels 300 python3 scripts/bench_quantized.py --fresh --sections ceilings,kernels --out "$OUT/quantized.json" ;;
     q_decode)
