@@ -133,7 +133,8 @@ def _decode(tile_m: int) -> bool:
 
 
 def default_stages(m: int) -> int:
-    return _STAGES_DECODE if _decode(-(-m // 8) * 8) else _STAGES
+    """Steps in flight for M rows (or a tile of them): M <= 8 is decode."""
+    return _STAGES_DECODE if _decode(m) else _STAGES
 
 
 def step_k(wq: QuantizedWeights, tile_m: int = 8, preferred: int | None = None, stages: int | None = None) -> int:
