@@ -26,8 +26,10 @@ it measured, and a second call with `--sections ... --out` of the same file adds
             per SM against latency;
   m_scale   (not in the default set) int8 / int4 weight-only from 16 rows to 8,192: the Pallas kernel against
             dequantize-then-dot and the bf16 dot (where quantized_matmul switches to dequantize + dot);
-  decode    engine decode at batch 1 (ctx 512, 128 steps) for bf16, int8, int4 (groups of 32) and int4:128
-            weights: step time and the speedup over bf16;
+  decode    engine decode at batch 1 (ctx 512, 128 steps) for bf16, int8, int4 (groups of 32), int4 in chunk
+            halves (int4_halves: the storage order plain order replaced on GPUs) and int4:128 weights: step
+            time end to end and the speedup over bf16, then the device's time for a single step and for one
+            iteration of the multi-step loop, with the single step's costliest kernels;
   offline   1000/1000 (512 prompts) with int8 weights + fp8 KV, and 128/128 (2048 prompts) with fp8 weights
             (+ fp8 KV): output tok/s, and any kernel that fell back to the jnp reference (`fallbacks`); beside
             them the same workloads in bf16 and with bf16 KV. `--only` picks runs (decode formats, offline keys).
@@ -89,9 +91,9 @@ def ceilings(s: dict[str, Any]) -> dict[str, Any]:
 # ----------------------------------------------------------------------------- kernels
 
 
-# The weight-only formats the sweeps time: int8 per channel, int4 as quantization="int4" stores it (groups of 32
-# with zero points, chunk-halves order) and int4 in groups of 128. The kernels section adds int4 in plain order
-# (pack 2, which the GPU kernel reads with Mosaic's int4 conversion but the engine does not store yet).
+# The weight-only formats the sweeps time: int8 per channel, int4 in groups of 32 with zero points in chunk-halves
+# order (what quantization="int4" stored on a GPU before plain order, and stores on a CPU or TPU) and int4 in
+# groups of 128. The kernels section adds int4 in plain order (pack 2, what a GPU stores now).
 WEIGHT_ONLY_FORMATS = {"int8": dict(bits=8), "int4": dict(bits=4, group_size=32, zero_point=True),
                        "int4_g128": dict(bits=4, group_size=128, zero_point=True)}
 
@@ -363,30 +365,44 @@ def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
     return sorted({str(w.message) for w in caught if "reference" in str(w.message)})
 
 
-def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
-    """Engine decode at batch 1 for one weight format."""
-    from jaxinfer.bench.limits import ModelCost
-    from jaxinfer.bench.measure import decode_mbu
+# A decode format: int4 in groups of 32 stored in chunk halves (pack 64), what a GPU stored before plain order.
+HALVES_INT4 = "int4_halves"
 
+
+def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
+    """Engine decode at batch 1 for one weight format: end to end, then the device's time for the engine's
+    single step and for one iteration of its multi-step call (the host taken out), with the single step's
+    costliest kernels."""
+    from jaxinfer.bench.limits import ModelCost
+    from jaxinfer.bench.measure import decode_device_profile, decode_mbu
+
+    quantization = {"bf16": None, HALVES_INT4: "int4"}.get(name, name)
+    if name == HALVES_INT4:
+        from profile_decode_buckets import force_int4_pack
+
+        force_int4_pack(2 * 32)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # warmup=False compiles only the programs batch-1 decode meets, lazily: a first pass compiles them (its
         # time is not the step's), the second is timed.
-        llm = build(s, smoke, quantization=None if name == "bf16" else name, warmup=False)
+        llm = build(s, smoke, quantization=quantization, warmup=False)
         cost = ModelCost.of(llm.model_config)
         for _ in range(2):
             r = decode_mbu(llm, cost, batch=1, ctx=s["ctx"], steps=s["steps"], copy_bw=1.0)
+        device = decode_device_profile(llm, cost, batch=1, ctx=s["ctx"], copy_bw=1.0)
     return {"step_ms": r["step_ms"], "tok_s": r["tok_s"], "weight_bytes": llm.engine_stats()["weight_bytes"],
-            "fallbacks": _fallbacks(caught)}
+            "device_single_step_ms": device["single_step_ms"],
+            "device_multi_step_ms_per_iteration": device["multi_step_ms_per_iteration"],
+            "single_step_kernels": device["kernels"], "fallbacks": _fallbacks(caught)}
 
 
 def decode_b1(s: dict[str, Any], smoke: bool, only: set[str] | None) -> dict[str, Any]:
-    names = [n for n in ("bf16", "int8", "int4", s["int4_wide"]) if not only or n in only]
+    names = [n for n in ("bf16", "int8", "int4", HALVES_INT4, s["int4_wide"]) if not only or n in only]
     rows = {name: in_child("decode", name, smoke) for name in names}
     ok = {k: v for k, v in rows.items() if "step_ms" in v}
     speedup = lambda k: ok["bf16"]["step_ms"] / ok[k]["step_ms"] if "bf16" in ok and k in ok else None
     return {"by_format": rows, "decode_b1_int8_speedup": speedup("int8"), "decode_b1_int4_speedup": speedup("int4"),
-            "decode_b1_int4g128_speedup": speedup(s["int4_wide"])}
+            "decode_b1_int4g128_speedup": speedup(s["int4_wide"]), "decode_b1_int4_halves_speedup": speedup(HALVES_INT4)}
 
 
 def offline_runs(s: dict[str, Any]) -> dict[str, tuple[tuple[int, int, int], dict[str, str]]]:

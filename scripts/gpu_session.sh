@@ -43,13 +43,16 @@
 #   structured_thread  the two server runs of `structured` with the engine on a thread of the server's process
 #                (`--no-engine-process`, the layout before the engine process): the same-lease baseline
 #   structured_proc  the same two server runs with the engine in its own process (`jaxinfer serve`'s default)
-#   q_tests      the gpu-marked quantized matmul tests
 #   q_tilings    scripts/bench_quantized.py's tiling sweeps (fp8 W8A8 at M >= 256, weight-only at M = 1):
 #                $OUT/quantized_tilings.json
 #   q_mscale     weight-only int8/int4 from M = 16 to 8,192: Pallas vs dequantize + dot vs bf16 ($OUT/quantized_mscale.json)
 #   q_tests      the quantized matmul kernels' gpu-marked tests
 #   q_occupancy  bench_quantized.py's occupancy_m1 sweep (K step x steps in flight x split-K at M = 1):
 #                $OUT/quantized_occupancy.json
+#   q_b1_kernels Llama-3-8B's batch-1 decode bucket for bf16, int8, int4 and plain-order int4: ms per iteration,
+#                the costliest kernels, compiled HLO ($OUT/q_b1_<format>.json, $OUT/hlo_<format>/)
+#   q_b1_trace   the same formats' batch-1 decode traced (scripts/trace_engine.py), single steps against the
+#                multi-step loop: $OUT/trace_<format>/
 #   q_kernels, q_decode, q_offline   bench_quantized.py's kernels / decode / offline sections, each adding to
 #                $OUT/quantized.json (issue 15's GPU figures; run q_kernels first, it measures the ceilings);
 #                Q_ONLY=a,b passes --only (decode formats, offline run keys)
@@ -183,8 +186,6 @@ print(f(llm.describe()))' ;;
     ab_grid)
       run ab_grid 590 bash -c 'for t in .ab_old .; do PYTHONPATH=$t python3 scripts/ab_prefill.py --label $t \
         --workload grid --repeats 2 | tee -a "$OUT/ab_grid.jsonl"; done' ;;
-    q_tests)
-      run q_tests 300 python3 -m pytest -q -m gpu --durations=5 tests/pallas_kernels/test_quantized_matmul.py ;;
     q_tilings)
       run q_tilings 500 python3 scripts/bench_quantized.py --sections ceilings,tilings_fp8,tilings_m1 \
         --out "$OUT/quantized_tilings.json" ;;
@@ -195,6 +196,25 @@ print(f(llm.describe()))' ;;
     q_occupancy)
       run q_occupancy 450 python3 scripts/bench_quantized.py --sections ceilings,occupancy_m1 \
         --out "$OUT/quantized_occupancy.json" ;;
+    q_b1_kernels)
+      # Llama-3-8B's batch-1 decode bucket per weight format: ms per iteration and the 40 costliest kernels
+      # (Q_B1_FORMATS: name=quantization[/int4 pack], "none" for bf16); compiled HLO of each under $OUT/hlo_<name>.
+      for f in ${Q_B1_FORMATS:-bf16=none int8=int8 int4=int4 int4_plain=int4/2}; do
+        name=${f%%=*}; spec=${f#*=}; q=${spec%%/*}; pack=; [[ $spec == */* ]] && pack=${spec#*/}
+        mkdir -p "$OUT/hlo_$name"
+        run q_b1_$name 240 python3 scripts/profile_decode_buckets.py --rows 1 --max-num-seqs 8 --top 40 \
+          --memory-fraction 0.85 --quantization "$q" ${pack:+--int4-pack $pack} --out "$OUT/q_b1_$name.json" \
+          --hlo-dir "$OUT/hlo_$name"
+      done ;;
+    q_b1_trace)
+      # Batch-1 decode of Llama-3-8B per weight format (Q_B1_FORMATS as in q_b1_kernels), traced: pipelined single
+      # steps against the multi-step loop, device busy fraction and the host's events in the gaps.
+      for f in ${Q_B1_FORMATS:-int8=int8 int4_plain=int4/2}; do
+        name=${f%%=*}; spec=${f#*=}; q=${spec%%/*}; pack=; [[ $spec == */* ]] && pack=${spec#*/}
+        mkdir -p "$OUT/trace_$name"
+        run q_b1_trace_$name 280 python3 scripts/trace_engine.py --batch 1 --memory-fraction 0.85 --overlap-only \
+          --single-step-max-rows 8 0 --quantization "$q" ${pack:+--int4-pack $pack} --out "$OUT/trace_$name/trace.json"
+      done ;;
     q_kernels)
       run q_kernels 300 python3 scripts/bench_quantized.py --fresh --sections ceilings,kernels --out "$OUT/quantized.json" ;;
     q_decode)

@@ -56,6 +56,15 @@ def _greedy(n: int):
     return SamplingParams(max_tokens=n, ignore_eos=True, temperature=0.0)
 
 
+def force_int4_pack(pack: int) -> None:
+    """Make the quantizer store every int4 weight with packing chunk `pack` (an experiment: the engine picks the
+    chunk by backend and group size, quantization.fit_packs; 2 is plain order, 64 chunk halves for groups of 32)."""
+    import jaxinfer.quantization as q
+
+    q.NATURAL_INT4_BACKENDS = ()
+    q.default_pack = lambda group, k: pack
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--model", default="llama-3-8b")
@@ -69,10 +78,17 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=64, help="the largest bucket (fewer buckets warm up faster)")
     p.add_argument("--memory-fraction", type=float, default=0.5)
     p.add_argument("--top", type=int, default=12, help="kernels listed per bucket, by device time")
+    p.add_argument("--quantization", default=None, help="LLM(quantization=...): int8, int4, int4:128, fp8")
+    p.add_argument("--int4-pack", type=int, default=None,
+                   help="store int4 weights with this packing chunk (2: plain int4 order; 64: chunk halves for "
+                        "groups of 32) instead of the backend's choice")
     args = p.parse_args()
+    if args.int4_pack:
+        force_int4_pack(args.int4_pack)
     llm = LLM(args.model, random_weights=True, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
               max_model_len=args.ctx + 256, decode_steps_per_call=args.steps, use_tqdm=False,
-              memory_fraction=args.memory_fraction)
+              memory_fraction=args.memory_fraction, quantization=args.quantization)
+    print(f"weights {llm.engine_stats()['weight_bytes'] / 1e9:.2f} GB", flush=True)
     llm.wait_for_background_compile()  # steady-state speed
     results = []
     for rows in args.rows:

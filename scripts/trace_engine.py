@@ -118,13 +118,19 @@ def main() -> None:
     p.add_argument("--calls", type=int, default=4, help="engine steps traced per run")
     p.add_argument("--overlap-only", action="store_true", help="skip the runs with overlapped decode off")
     p.add_argument("--out", default="trace_engine.json")
+    p.add_argument("--quantization", default=None, help="LLM(quantization=...): int8, int4, fp8, ...")
+    p.add_argument("--int4-pack", type=int, default=None, help="store int4 weights with this packing chunk (2: plain)")
     args = p.parse_args()
+    if args.int4_pack:
+        from profile_decode_buckets import force_int4_pack
+
+        force_int4_pack(args.int4_pack)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     llm = LLM(args.model, random_weights=True, dtype="bfloat16", max_num_seqs=max(16, args.batch),
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.ctx + 512,
               memory_fraction=args.memory_fraction,
-              decode_steps_per_call=args.decode_steps_per_call,
+              decode_steps_per_call=args.decode_steps_per_call, quantization=args.quantization,
               use_tqdm=False)
     llm.wait_for_background_compile()  # steady-state speed
     result = {"batch": args.batch, "ctx": args.ctx}
