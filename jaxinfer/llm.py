@@ -183,10 +183,6 @@ class LLM:
         check_model_limits(args, self.model_config.max_position_embeddings)
         _check_quantization(args, checkpoint)
         self.family = family_for_config(self.model_config)
-        if (fitted := fit_to_model(chosen, self.family.moe)) != chosen:
-            chosen = fitted
-            args = self.args = dataclasses.replace(args, **chosen)
-            self.single_step_max_rows = args.single_step_max_rows
         self.draft = self._draft_model(args, MeshConfig(data=args.data_parallel_size, tensor=args.tensor_parallel_size,
                                                         expert=args.expert_parallel_size,
                                                         seq=args.sequence_parallel_size))
@@ -204,6 +200,10 @@ class LLM:
                 chosen["quantization"] = quantization
                 args = self.args = dataclasses.replace(args, quantization=quantization)
         self.quant_plan = self._quantization_plan(checkpoint, args)
+        if (fitted := fit_to_model(chosen, self.family.moe, quantized=bool(self.quant_plan))) != chosen:
+            chosen = fitted
+            args = self.args = dataclasses.replace(args, **chosen)
+            self.single_step_max_rows = args.single_step_max_rows
         if self.draft is not None:  # its quantization checked too before any weight is loaded
             self.draft.prepare(self.replica_meshes[0], self.dtype)
         distributed.check_same_everywhere("the model and engine settings", self.model_config, args)

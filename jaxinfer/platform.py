@@ -50,6 +50,12 @@ FIELDS = tuple(f.name for f in dataclasses.fields(PlatformDefaults))
 # the host, the device was busy 6.3 ms of the 19.6 ms a single step took on an H200 at batch 1, while the
 # multi-step loop ran 7.9 ms per iteration. With the per-pair path: 12.4 against 7.45 ms (device only).
 MOE_SINGLE_STEP_MAX_ROWS = 0
+# Quantized weights on a GPU keep multi-step calls too. Each quantized product is a Mosaic GPU kernel plus its
+# wrapper's small kernels (activation padding, the split-K sum, scales), ~800 launches a Llama-3-8B step, and a
+# single step launches them one by one from the host. H200, batch 1, traced (scripts/trace_engine.py): with int8
+# weights a token took 13.6 ms in single steps, the device busy 28% of it, against 4.8 ms in the multi-step loop,
+# whose CUDA graphs launch the kernels (busy 80%); int4 23.1 against 5.2 ms.
+QUANTIZED_GPU_SINGLE_STEP_MAX_ROWS = 0
 
 CPU_FLOAT_WEIGHTS_FRACTION = 1 / 8
 
@@ -66,11 +72,17 @@ def fill_defaults(values: dict[str, object], backend: str | None = None) -> dict
     return {name: getattr(defaults, name) for name in FIELDS if values.get(name) is None}
 
 
-def fit_to_model(chosen: dict[str, object], moe: bool) -> dict[str, object]:
+def fit_to_model(chosen: dict[str, object], moe: bool, quantized: bool = False,
+                 backend: str | None = None) -> dict[str, object]:
     """The platform's choices in `chosen` (fill_defaults' result) adjusted to the model: a mixture-of-experts
-    model gets MOE_SINGLE_STEP_MAX_ROWS. Values the user passed are not in `chosen` and stay as given."""
-    if moe and "single_step_max_rows" in chosen:
+    model gets MOE_SINGLE_STEP_MAX_ROWS, quantized weights on a GPU QUANTIZED_GPU_SINGLE_STEP_MAX_ROWS. Values the
+    user passed are not in `chosen` and stay as given."""
+    if "single_step_max_rows" not in chosen:
+        return chosen
+    if moe:
         return {**chosen, "single_step_max_rows": MOE_SINGLE_STEP_MAX_ROWS}
+    if quantized and (backend or jax.default_backend()) == "gpu":
+        return {**chosen, "single_step_max_rows": QUANTIZED_GPU_SINGLE_STEP_MAX_ROWS}
     return chosen
 
 

@@ -45,7 +45,7 @@ import ml_dtypes
 import numpy as np
 
 from pallas_kernels.grouped_matmul.reference import QuantizedExperts
-from pallas_kernels.quantized_matmul.reference import (PACK_CHUNK, SMALL_GROUPS, QuantizedWeights,
+from pallas_kernels.quantized_matmul.reference import (NATURAL_PACK, PACK_CHUNK, SMALL_GROUPS, QuantizedWeights,
                                                         check_group_size, default_pack)
 from jaxinfer.params import Init, ParamSpec, is_spec
 from jaxinfer.sharding import Logical
@@ -255,18 +255,27 @@ def _check_one(path: str, fmt: QFormat, view: MatrixView, k_shards: int) -> None
             f"multiple of {unit}; choose a smaller group size or another tensor_parallel_size.")
 
 
-def fit_packs(specs: Any, plan: Plan, shards: dict[Logical, int] | None = None) -> Plan:
-    """The plan with every int4 weight's packing chunk fixed for the K each device holds. A chunk packs
-    element j and j + pack/2 into one byte, so a chunk split between two devices would leave each with
-    half of every byte's pair: a weight whose K is split picks its chunk from the per-device K.
-    (The plain order, reference.NATURAL_PACK, is not chosen here yet: see the GPU kernel's docstring.)"""
+# Backends whose int4 weights are stored in plain int4 order (reference.NATURAL_PACK) rather than in chunk halves.
+# The GPU kernel reads plain order through Mosaic GPU's own int4 -> bf16 conversion, one block per pipeline step:
+# H200, Llama-3-8B at batch 1, one iteration of the multi-step decode loop on the device took 4.67 ms with plain
+# order against 5.76 ms with chunk halves (docs/PERFORMANCE.md, issue 15). The TPU kernel wants chunk halves.
+NATURAL_INT4_BACKENDS = ("gpu",)
+
+
+def fit_packs(specs: Any, plan: Plan, shards: dict[Logical, int] | None = None, backend: str | None = None) -> Plan:
+    """The plan with every int4 weight's packing chunk fixed (a format that names its chunk, as a GGUF repack or
+    a saved checkpoint does, keeps it). On NATURAL_INT4_BACKENDS the chunk is NATURAL_PACK, plain int4 order.
+    Elsewhere a chunk packs element j and j + pack/2 into one byte, so a chunk split between two devices would
+    leave each with half of every byte's pair: a weight whose K is split picks its chunk from the per-device K."""
     shards = shards or {}
+    natural = (backend or jax.default_backend()) in NATURAL_INT4_BACKENDS
     by_path = dict(flatten_specs(specs))
     out = dict(plan)
     for path, fmt in plan.items():
         view = matrix_view(by_path[path]) if path in by_path else None
         if fmt.bits == 4 and fmt.pack is None and view is not None:
-            out[path] = dataclasses.replace(fmt, pack=default_pack(fmt.group, view.k // shards.get(view.in_axis, 1)))
+            pack = NATURAL_PACK if natural else default_pack(fmt.group, view.k // shards.get(view.in_axis, 1))
+            out[path] = dataclasses.replace(fmt, pack=pack)
     return out
 
 

@@ -87,6 +87,20 @@ def test_moe_models_keep_multi_step_decode_on_accelerators() -> None:
     assert "single_step_max_rows" not in fit_to_model(given, moe=True)
 
 
+def test_quantized_weights_keep_multi_step_decode_on_a_gpu_only() -> None:
+    """Quantized weights on a GPU decode in multi-step calls at every batch size (a single step launches each
+    quantized product's kernels one by one); a TPU keeps its single steps, and a value the user passed stays."""
+    from jaxinfer.platform import QUANTIZED_GPU_SINGLE_STEP_MAX_ROWS, fill_defaults, fit_to_model
+
+    chosen = fill_defaults({"single_step_max_rows": None}, backend="gpu")
+    assert fit_to_model(chosen, moe=False, quantized=True, backend="gpu")["single_step_max_rows"] == \
+        QUANTIZED_GPU_SINGLE_STEP_MAX_ROWS == 0
+    assert fit_to_model(chosen, moe=False, quantized=True, backend="tpu") == chosen
+    assert fit_to_model(chosen, moe=False, quantized=False, backend="gpu") == chosen
+    given = fill_defaults({"single_step_max_rows": 8}, backend="gpu")
+    assert "single_step_max_rows" not in fit_to_model(given, moe=False, quantized=True, backend="gpu")
+
+
 def test_a_quantized_kv_cache_on_a_gpu_defaults_to_32_token_pages() -> None:
     """The GPU attention kernel copies each page's scale row by TMA (a multiple of 128 bytes: 32 fp32)."""
     from jaxinfer.platform import default_page_size

@@ -4,6 +4,7 @@ collectives: test_collectives.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import types
 from pathlib import Path
 
@@ -24,20 +25,22 @@ from jaxinfer.models import LLAMA, with_linear
 from jaxinfer.params import init_params
 from jaxinfer.quantization import QuantizationConfig, check_plan, fit_packs, logical_shards, method_plan, quantized_specs
 from jaxinfer.sharding import make_mesh, tensor_parallel_rules
+from pallas_kernels.quantized_matmul.reference import NATURAL_PACK
 from model_helpers import tiny_config
 
 PAGE = 4
 
 
 def quantized_runner(cfg, tp: int, method: str, kv_cache_dtype: str = "auto", plan_tp: int = 2,
-                     num_pages: int = 16) -> ModelRunner:
+                     num_pages: int = 16, pack_backend: str = "cpu") -> ModelRunner:
     """A reference-attention runner over random weights quantized as `method`, split over `tp` devices. The
     plan is the one for `plan_tp` devices (int4 packing chunks fit the split K), so runners of different tp
-    draw the same random codes with the same meaning."""
+    draw the same random codes with the same meaning. `pack_backend`: the backend whose int4 order the plan
+    takes ("gpu": plain order)."""
     mesh, rules = make_mesh(MeshConfig(tensor=tp)), tensor_parallel_rules(cfg, tp)
     specs = LLAMA.param_specs(cfg, jnp.float32)
     plan_shards = logical_shards(tensor_parallel_rules(cfg, plan_tp), make_mesh(MeshConfig(tensor=plan_tp)))
-    plan = fit_packs(specs, method_plan(specs, QuantizationConfig.parse(method)), plan_shards)
+    plan = fit_packs(specs, method_plan(specs, QuantizationConfig.parse(method)), plan_shards, backend=pack_backend)
     check_plan(specs, plan, logical_shards(rules, mesh))
     weights = init_params(quantized_specs(specs, plan), 0, mesh, rules)
     kv_dtype, kv_quantized = kv_storage(kv_cache_dtype, jnp.float32)
@@ -58,7 +61,8 @@ def prompt_then_decode_logits(runner: ModelRunner, ids: list[int]) -> np.ndarray
 # of the attention output and 64 of the down projection), fp8 W8A8; each with a quantized KV cache, split by
 # head like the values. fp8 quantizes activations per row of each device's K slice, so its sharded result
 # differs by that rounding; the integer formats only by the order of the psum.
-CASES = {"int8:32": ("int8", 1e-5), "int4:32": ("int8", 1e-5), "fp8": ("fp8", 0.05)}
+# "plain": int4 in plain order (pack 2), as a GPU stores it (the CPU runs it through the reference).
+CASES = {"int8:32": ("int8", 1e-5), "int4:32": ("int8", 1e-5), "int4:32 plain": ("int8", 1e-5), "fp8": ("fp8", 0.05)}
 
 
 @pytest.fixture(scope="module")
@@ -69,9 +73,13 @@ def cfg():
 @pytest.mark.parametrize("method", CASES)
 def test_tensor_parallel_quantized_model_equals_unsharded(cfg, method: str) -> None:
     kv, tol = CASES[method]
+    method, _, order = method.partition(" ")
+    backend = "gpu" if order == "plain" else "cpu"
     ids = list(np.random.default_rng(1).integers(0, cfg.vocab_size, 10))
-    whole = prompt_then_decode_logits(quantized_runner(cfg, 1, method, kv), ids)
-    split_runner = quantized_runner(cfg, 2, method, kv)
+    whole = prompt_then_decode_logits(quantized_runner(cfg, 1, method, kv, pack_backend=backend), ids)
+    split_runner = quantized_runner(cfg, 2, method, kv, pack_backend=backend)
+    if method.startswith("int4"):
+        assert (split_runner.weights.layers[0].w_down.pack == NATURAL_PACK) == (order == "plain")
     wq = split_runner.weights.layers[0].wq  # column-parallel: each device holds half the output rows
     assert {s.data.shape for s in wq.values.addressable_shards} == {(wq.values.shape[0] // 2, wq.values.shape[1])}
     split = prompt_then_decode_logits(split_runner, ids)
@@ -200,6 +208,46 @@ def test_convert_writes_a_quantized_checkpoint_that_restores_quantized_with_iden
     assert [o.token_ids for o in restored.generate(prompts, params)] == want
     with pytest.raises(InvalidInput, match="already quantized"):
         LLM(str(tmp_path / "q"), quantization="int8", **engine)
+
+
+def test_int4_order_follows_the_backend_and_a_named_chunk_stays() -> None:
+    """A GPU stores int4 in plain order (its kernel's fast path), a CPU or TPU in chunk halves; a format that
+    names its chunk (a GGUF repack, a saved checkpoint) keeps it everywhere."""
+    specs = LLAMA.param_specs(tiny_config(), jnp.float32)
+    plan = method_plan(specs, QuantizationConfig.parse("int4"))
+    packs = lambda backend, p=plan: {f.pack for f in fit_packs(specs, p, backend=backend).values() if f.bits == 4}
+    assert packs("gpu") == {NATURAL_PACK}
+    assert NATURAL_PACK not in packs("cpu") | packs("tpu")
+    named = {path: dataclasses.replace(f, pack=64) if f.bits == 4 else f for path, f in plan.items()}
+    assert packs("gpu", named) == {64}
+
+
+def test_plain_order_int4_gives_the_tokens_of_chunk_halves_and_survives_convert(
+        tmp_path: Path, smollm2_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same codes in the two int4 orders are the same weights: greedy tokens are identical, through the
+    engine on this CPU with plain order chosen as a GPU chooses it; and a checkpoint converted that way
+    restores plain-order on a CPU (its plan names the chunk) with the same tokens."""
+    from jaxinfer.cli import main
+    from jaxinfer import SamplingParams
+    from tiny_checkpoint import write_tiny_hf_checkpoint
+
+    src = write_tiny_hf_checkpoint(tmp_path / "hf", smollm2_path)
+    engine = dict(dtype="float32", max_model_len=64, num_pages=16, max_num_seqs=2, max_num_batched_tokens=32,
+                  warmup=False, use_tqdm=False)
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    prompts = ["The river rose through the night", "def fibonacci(n):"]
+    halves = LLM(str(src), quantization="int4", **engine)
+    assert NATURAL_PACK not in {f.pack for f in halves.quant_plan.values() if f.bits == 4}
+    want = [o.token_ids for o in halves.generate(prompts, params)]
+    monkeypatch.setattr(quantization, "NATURAL_INT4_BACKENDS", ("cpu",))
+    plain = LLM(str(src), quantization="int4", **engine)
+    assert {f.pack for f in plain.quant_plan.values() if f.bits == 4} == {NATURAL_PACK}
+    assert [o.token_ids for o in plain.generate(prompts, params)] == want
+    assert main(["convert", str(src), str(tmp_path / "q"), "--dtype", "float32", "--quantization", "int4"]) == 0
+    monkeypatch.setattr(quantization, "NATURAL_INT4_BACKENDS", ())
+    restored = LLM(str(tmp_path / "q"), **engine)
+    assert {f.pack for f in restored.quant_plan.values() if f.bits == 4} == {NATURAL_PACK}
+    assert [o.token_ids for o in restored.generate(prompts, params)] == want
 
 
 # ----------------------------------------------------------------------------- the platform's default

@@ -24,8 +24,9 @@ Storage format (`QuantizedWeights`), chosen for the kernels:
 * int4 packing (`pack`, the chunk): inside every `pack`-wide chunk of K, byte j holds element j in
   its low nibble and element j + pack/2 in its high nibble, each a two's complement code (q in -8..7).
   `pack` 2 (NATURAL_PACK) is plain int4 order, two codes a byte, low first: the bytes of a jnp.int4
-  [N, Kp] array, which the GPU kernel hands to Mosaic GPU's int4 loads and conversions (not yet what
-  the engine stores: see the GPU kernel's docstring). Wider chunks unpack into two whole half-chunks, no interleave, which the TPU kernel and
+  [N, Kp] array, which the GPU kernel hands to Mosaic GPU's int4 loads and conversions (what the engine
+  stores on a GPU, jaxinfer.quantization.fit_packs). Wider chunks unpack into two whole half-chunks, no
+  interleave, which the TPU kernel and
   GGUF's own orders want: `pack` is 2 x the group for groups of 32 and 64 (so each half-chunk is
   exactly one group and carries one scale; the group itself when Kp is no multiple of twice the
   group), 128 for larger groups, and for per-channel weights the largest of 128/64/32 dividing Kp.
