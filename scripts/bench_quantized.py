@@ -24,10 +24,13 @@ it measured, and a second call with `--sections ... --out` of the same file adds
             dot (cuBLASLt), each beside the bf16 product; the table the defaults were chosen from;
   occupancy_m1 (not in the default set) the weight-only kernel at M = 1 at small pipelines and more split-K: CTAs
             per SM against latency;
+  zeros     (not in the default set) int4 with zero points at M = 1, one layer: the zero points added by the
+            wrapper against inside the kernel (gpu.ZEROS_IN_KERNEL, off until this says otherwise);
   m_scale   (not in the default set) int8 / int4 weight-only from 16 rows to 8,192: the Pallas kernel against
             dequantize-then-dot and the bf16 dot (where quantized_matmul switches to dequantize + dot);
   decode    engine decode at batch 1 (ctx 512, 128 steps) for bf16, int8, int4 (groups of 32), int4 in chunk
-            halves (int4_halves: the storage order plain order replaced on GPUs) and int4:128 weights: step
+            halves (int4_halves: the storage order plain order replaced on GPUs), int4 with its zero points
+            added inside the kernel (int4_zeros_inside) and int4:128 weights: step
             time end to end and the speedup over bf16, then the device's time for a single step and for one
             iteration of the multi-step loop, with the single step's costliest kernels;
   offline   1000/1000 (512 prompts) with int8 weights + fp8 KV, and 128/128 (2048 prompts) with fp8 weights
@@ -60,7 +63,8 @@ import jax.numpy as jnp
 from jaxinfer.bench.measure import copy_bandwidth, matmul_rate, median_time, offline_throughput
 from jaxinfer.bench.workloads import fixed
 
-SECTIONS = ("ceilings", "kernels", "tilings_m1", "tilings_fp8", "occupancy_m1", "m_scale", "decode", "offline")
+SECTIONS = ("ceilings", "kernels", "tilings_m1", "tilings_fp8", "occupancy_m1", "zeros", "m_scale", "decode",
+            "offline")
 
 
 def sizes(smoke: bool) -> dict[str, Any]:
@@ -211,15 +215,31 @@ def _m1_occupancy(s: dict[str, Any], copy_bw: float) -> list[dict[str, Any]]:
     return _layer_sweep(s, copy_bw, {name: int8 if name == "int8" else int4 for name in WEIGHT_ONLY_FORMATS})
 
 
-def _layer_sweep(s: dict[str, Any], copy_bw: float, grid: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
-    """Device time of one layer's five shapes for each format and each set of gpu.quantized_matmul overrides in
-    `grid` (split_factor scales the default split-K count), then XLA's dequantize-then-dot."""
+# Formats with grouped zero points, for the zeros section: plain-order int4 (what a GPU stores) in groups of 32 and
+# 128, chunk-halves int4 in groups of 32 (GGUF Q4_1 / Q4_K repacks).
+ZERO_POINT_FORMATS = {"int4_plain": dict(bits=4, group_size=32, zero_point=True, pack=2),
+                      "int4_plain_g128": dict(bits=4, group_size=128, zero_point=True, pack=2),
+                      "int4_halves": dict(bits=4, group_size=32, zero_point=True)}
+
+
+def _zeros(s: dict[str, Any], copy_bw: float) -> list[dict[str, Any]]:
+    """One layer's five products at M = 1, zero points added by the wrapper (xsum @ zeros) against inside the
+    kernel (gpu.ZEROS_IN_KERNEL): the measurement that default waits for."""
+    grid = [dict(zeros_in_kernel=False), dict(zeros_in_kernel=True)]
+    return _layer_sweep(s, copy_bw, dict.fromkeys(ZERO_POINT_FORMATS, grid), ZERO_POINT_FORMATS)
+
+
+def _layer_sweep(s: dict[str, Any], copy_bw: float, grid: dict[str, list[dict[str, Any]]],
+                 formats: dict[str, dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Device time of one layer's five shapes for each format (`formats`, default WEIGHT_ONLY_FORMATS) and each
+    set of gpu.quantized_matmul overrides in `grid` (split_factor scales the default split-K count), then XLA's
+    dequantize-then-dot."""
     from pallas_kernels.quantized_matmul import dequantize_weights, gpu, quantize_weights
 
     shapes = layer_shapes(s)
     rows = []
     for name, overrides in grid.items():
-        fmt = WEIGHT_ONLY_FORMATS[name]
+        fmt = (formats or WEIGHT_ONLY_FORMATS)[name]
         sets = [[quantize_weights(jax.random.normal(jax.random.key(17 * r + i), (k, n), jnp.bfloat16) * 0.02, **fmt)
                  for i, (k, n) in enumerate(shapes)] for r in range(3)]
         weight_bytes = nbytes(sets[0])
@@ -365,8 +385,10 @@ def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
     return sorted({str(w.message) for w in caught if "reference" in str(w.message)})
 
 
-# A decode format: int4 in groups of 32 stored in chunk halves (pack 64), what a GPU stored before plain order.
+# Decode formats beside the plain methods: int4 in groups of 32 stored in chunk halves (pack 64), what a GPU stored
+# before plain order; int4 with its zero points added inside the kernel (gpu.ZEROS_IN_KERNEL on).
 HALVES_INT4 = "int4_halves"
+ZEROS_INSIDE_INT4 = "int4_zeros_inside"
 
 
 def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
@@ -376,11 +398,15 @@ def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
     from jaxinfer.bench.limits import ModelCost
     from jaxinfer.bench.measure import decode_device_profile, decode_mbu
 
-    quantization = {"bf16": None, HALVES_INT4: "int4"}.get(name, name)
+    quantization = {"bf16": None, HALVES_INT4: "int4", ZEROS_INSIDE_INT4: "int4"}.get(name, name)
     if name == HALVES_INT4:
         from profile_decode_buckets import force_int4_pack
 
         force_int4_pack(2 * 32)
+    if name == ZEROS_INSIDE_INT4:
+        from pallas_kernels.quantized_matmul import gpu
+
+        gpu.ZEROS_IN_KERNEL = True
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # warmup=False compiles only the programs batch-1 decode meets, lazily: a first pass compiles them (its
@@ -397,12 +423,13 @@ def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
 
 
 def decode_b1(s: dict[str, Any], smoke: bool, only: set[str] | None) -> dict[str, Any]:
-    names = [n for n in ("bf16", "int8", "int4", HALVES_INT4, s["int4_wide"]) if not only or n in only]
+    names = [n for n in ("bf16", "int8", "int4", HALVES_INT4, ZEROS_INSIDE_INT4, s["int4_wide"]) if not only or n in only]
     rows = {name: in_child("decode", name, smoke) for name in names}
     ok = {k: v for k, v in rows.items() if "step_ms" in v}
     speedup = lambda k: ok["bf16"]["step_ms"] / ok[k]["step_ms"] if "bf16" in ok and k in ok else None
     return {"by_format": rows, "decode_b1_int8_speedup": speedup("int8"), "decode_b1_int4_speedup": speedup("int4"),
-            "decode_b1_int4g128_speedup": speedup(s["int4_wide"]), "decode_b1_int4_halves_speedup": speedup(HALVES_INT4)}
+            "decode_b1_int4g128_speedup": speedup(s["int4_wide"]), "decode_b1_int4_halves_speedup": speedup(HALVES_INT4),
+            "decode_b1_int4_zeros_inside_speedup": speedup(ZEROS_INSIDE_INT4)}
 
 
 def offline_runs(s: dict[str, Any]) -> dict[str, tuple[tuple[int, int, int], dict[str, str]]]:
@@ -455,11 +482,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     steps = {"ceilings": lambda: ceilings(s), "kernels": lambda: kernels(s, result["ceilings"]),
              "tilings_m1": lambda: {"rows": _m1_tilings(s, result["ceilings"]["copy_bw"])},
              "occupancy_m1": lambda: {"rows": _m1_occupancy(s, result["ceilings"]["copy_bw"])},
+             "zeros": lambda: {"rows": _zeros(s, result["ceilings"]["copy_bw"])},
              "m_scale": lambda: {"rows": _m_scale(s, result["ceilings"]["bf16_matmul_rate"])},
              "tilings_fp8": lambda: {"rows": _fp8_tilings(s, result["ceilings"]["bf16_matmul_rate"])},
              "decode": lambda: decode_b1(s, args.smoke, args.only), "offline": lambda: offline(s, args.smoke, args.only)}
     for name in args.sections:
-        if name in ("kernels", "tilings_m1", "tilings_fp8", "occupancy_m1", "m_scale") and "ceilings" not in result:
+        if name in ("kernels", "tilings_m1", "tilings_fp8", "occupancy_m1", "zeros", "m_scale") and "ceilings" not in result:
             result["ceilings"] = ceilings(s)
         start = time.perf_counter()
         try:
@@ -485,7 +513,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/quantized.json"))
     parser.add_argument("--sections", default=",".join(x for x in SECTIONS
-                                                      if not x.startswith(("tilings", "occupancy")) and x != "m_scale"),
+                                                      if not x.startswith(("tilings", "occupancy"))
+                                                      and x not in ("m_scale", "zeros")),
                         help="comma-separated: " + ", ".join(SECTIONS))
     parser.add_argument("--only", type=lambda v: set(v.split(",")), default=None,
                         help="decode / offline: only these runs (formats such as int8, or offline keys)")

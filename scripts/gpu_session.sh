@@ -53,6 +53,8 @@
 #                the costliest kernels, compiled HLO ($OUT/q_b1_<format>.json, $OUT/hlo_<format>/)
 #   q_b1_trace   the same formats' batch-1 decode traced (scripts/trace_engine.py), single steps against the
 #                multi-step loop: $OUT/trace_<format>/
+#   q_zeros      int4 zero points inside the kernel (gpu.ZEROS_IN_KERNEL) against the wrapper's term: the gpu test,
+#                one layer at M = 1, batch-1 decode: $OUT/quantized_zeros.json
 #   q_kernels, q_decode, q_offline   bench_quantized.py's kernels / decode / offline sections, each adding to
 #                $OUT/quantized.json (issue 15's GPU figures; run q_kernels first, it measures the ceilings);
 #                Q_ONLY=a,b passes --only (decode formats, offline run keys)
@@ -215,6 +217,13 @@ print(f(llm.describe()))' ;;
         run q_b1_trace_$name 280 python3 scripts/trace_engine.py --batch 1 --memory-fraction 0.85 --overlap-only \
           --single-step-max-rows 8 0 --quantization "$q" ${pack:+--int4-pack $pack} --out "$OUT/trace_$name/trace.json"
       done ;;
+    q_zeros)
+      # gpu.ZEROS_IN_KERNEL's measurement: its gpu-marked test, one layer at M = 1 with the zero points added by the
+      # wrapper and inside the kernel, then Llama-3-8B batch-1 decode with int4 both ways beside bf16.
+      run q_zeros_test 200 python3 -m pytest -q -m gpu -k zero_points tests/pallas_kernels/test_quantized_matmul.py
+      run q_zeros_layer 200 python3 scripts/bench_quantized.py --fresh --sections ceilings,zeros --out "$OUT/quantized_zeros.json"
+      run q_zeros_decode 450 python3 scripts/bench_quantized.py --sections decode --only bf16,int4,int4_zeros_inside \
+        --out "$OUT/quantized_zeros.json" ;;
     q_kernels)
       run q_kernels 300 python3 scripts/bench_quantized.py --fresh --sections ceilings,kernels --out "$OUT/quantized.json" ;;
     q_decode)

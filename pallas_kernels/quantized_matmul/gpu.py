@@ -25,7 +25,8 @@ a BlockSpec of its own, so no swizzled tile is ever sliced in SMEM:
   decode loop at batch 1 took 4.67 ms against 5.76 ms, so it is what the engine stores on a GPU. The
   uint8 -> int4 view below compiles to a bitcast: the loop's kernels summed to its time, no copy among them.
 The activation tile is swizzled at the width of one part so each part's columns are a whole number
-of swizzle tiles. Zero points (GGUF mins) are added by the wrapper: `xsum @ zeros`.
+of swizzle tiles. Zero points (GGUF mins, int4's offsets) are added by the wrapper, `xsum @ zeros`, or
+with ZEROS_IN_KERNEL to each dequantized part inside the kernel (measured against each other next).
 
 Tiling. At decode (M <= 8) a step is 256 wide, 2 steps are in flight and split-K covers the SMs four
 times: smaller CTAs, more of them per SM, hide more latency. H200, one Llama-3-8B layer at M = 1, device
@@ -63,6 +64,12 @@ _SM_COVERS = 2  # split-K makes the grid about this many CTAs per SM at M > 8
 _SM_COVERS_DECODE = 4
 _NUM_SMS = 132
 _SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper block may use, leaving room for Mosaic's barriers
+# Grouped zero points (int4 "int4", GGUF Q4_1 / Q4_K / Q5_1 / Q5_K repacks) added to each dequantized part in the
+# kernel, one bf16 add per weight, instead of the wrapper's `xsum @ zeros`: an fp32 dot over [M, G] x [G, N] plus
+# the group sums, four XLA GEMM fusions that took 0.87 ms of a Llama-3-8B int4 step at batch 1 on an H200
+# (docs/PERFORMANCE.md, issue 15). Off until the two are timed against each other on a GPU
+# (`bench_quantized.py --sections zeros`); the interpret-mode and lowering tests cover both.
+ZEROS_IN_KERNEL = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,6 +83,7 @@ class Plan:
     scale_rows: int  # scale rows one step reads (0: per channel, applied by the wrapper)
     group: int  # K elements per scale row
     stages: int = _STAGES  # pipeline steps in flight
+    zeros: bool = False  # grouped zero points added to each part in the kernel (else the wrapper's xsum @ zeros)
 
     @property
     def pieces(self) -> int:
@@ -122,7 +130,8 @@ def smem_bytes(wq: QuantizedWeights, tile_m: int, tile_k: int, interpret: bool =
     tile (and, in interpret mode, the staging buffer)."""
     weight_bytes = _TILE_N * tile_k * wq.bits // 8
     scale_rows = 0 if wq.per_channel else max(1, tile_k // wq.group_size)
-    per_stage = weight_bytes + tile_m * tile_k * 2 + max(scale_rows, 1) * _TILE_N * 4
+    row_blocks = 1 if wq.zeros is None else 2  # the zero points' rows may come beside the scales'
+    per_stage = weight_bytes + tile_m * tile_k * 2 + row_blocks * max(scale_rows, 1) * _TILE_N * 4
     staging = _TILE_N * _piece_k(wq, tile_k) * 2 if interpret else 0
     return stages * per_stage + _TILE_N * tile_m * 4 + staging
 
@@ -153,21 +162,23 @@ def step_k(wq: QuantizedWeights, tile_m: int = 8, preferred: int | None = None, 
     return tile_k
 
 
-def plan(wq: QuantizedWeights, m: int, tile_k: int | None = None, stages: int | None = None) -> Plan:
+def plan(wq: QuantizedWeights, m: int, tile_k: int | None = None, stages: int | None = None,
+         zeros_in_kernel: bool | None = None) -> Plan:
     """The call's static shape; `tile_k` / `stages` override the preferred K step (still fitted to Kp and
-    SMEM) and the steps in flight."""
+    SMEM) and the steps in flight, `zeros_in_kernel` ZEROS_IN_KERNEL (grouped zero points only)."""
     mp = -(-m // 8) * 8
     tile_m = min(mp, _MAX_TILE_M)
     stages = stages or default_stages(m)
     tile_k = step_k(wq, tile_m, tile_k, stages)
     scale_rows = 0 if wq.per_channel else max(1, tile_k // wq.group_size)
+    zeros = ZEROS_IN_KERNEL if zeros_in_kernel is None else zeros_in_kernel
     return Plan(tile_m, tile_k, _piece_k(wq, tile_k), 2 if _chunk_halves(wq) else 1, scale_rows, wq.group_size,
-                stages)
+                stages, zeros=bool(zeros and wq.zeros is not None and scale_rows))
 
 
-def _dequantized_parts(w_refs, s_smem, p: Plan, dtype):
+def _dequantized_parts(w_refs, s_smem, z_smem, p: Plan, dtype):
     """The step's weights in registers as [(tile [64, part_k], k offset in the step)], grouped
-    scales multiplied in (each part sits inside one group)."""
+    scales multiplied in and (z_smem not None) zero points added (each part sits inside one group)."""
     parts = []
     for c, w_ref in enumerate(w_refs):
         base = c * p.piece_k
@@ -197,17 +208,23 @@ def _dequantized_parts(w_refs, s_smem, p: Plan, dtype):
             row = off // p.group if p.group <= p.tile_k else 0
             scale = s_smem[row, :].astype(dtype)  # [64]
             w = w * jax.lax.broadcast_in_dim(scale, (_TILE_N, p.part_k), [0])
+            if z_smem is not None:  # q x s + z, the dequantized weight, rounded to bf16 once more
+                w = w + jax.lax.broadcast_in_dim(z_smem[row, :].astype(dtype), (_TILE_N, p.part_k), [0])
         out.append((w, off))
     return out
 
 
-def _qmm_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, *stage, p: Plan, k_steps_per_split):
+def _qmm_kernel(*refs, p: Plan, k_steps_per_split):
     # x_gmem [Mp, Kp] bf16, w_gmem [N, Kp] (int8 / e4m3 / natural int4; chunk-halves int4: [N, Kp/2] uint8),
-    # s_gmem [G, N],
+    # s_gmem [G, N], z_gmem [G, N] (p.zeros only),
     # o_gmem [splits, N, Mp] f32 (transposed partial products), o_smem [64, tile_m] f32,
     # stage (interpret mode only): [64, part_k] in the activation dtype.
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    x_gmem, w_gmem, s_gmem = refs[:3]
+    z_gmem = refs[3] if p.zeros else None
+    o_gmem, o_smem, *stage = refs[3 + p.zeros:]
 
     group = p.group
     ni, ks, mi = (jax.lax.axis_index(a) for a in ("n", "k", "m"))
@@ -216,7 +233,8 @@ def _qmm_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, *stage, p: Plan, k_steps
 
     def step(_, *refs, acc_ref):
         w_refs, x_smem, s_smem = refs[:p.pieces], refs[p.pieces], refs[p.pieces + 1]
-        for w, off in _dequantized_parts(w_refs, s_smem, p, x_smem.dtype):
+        z_smem = refs[p.pieces + 2] if p.zeros else None
+        for w, off in _dequantized_parts(w_refs, s_smem, z_smem, p, x_smem.dtype):
             if stage:  # the interpreter's wgmma reads its A operand only from SMEM
                 stage[0][...] = w
                 plgpu.commit_smem()
@@ -239,9 +257,9 @@ def _qmm_kernel(x_gmem, w_gmem, s_gmem, o_gmem, o_smem, *stage, p: Plan, k_steps
         plgpu.emit_pipeline(
             functools.partial(step, acc_ref=acc_ref),
             grid=(k_steps_per_split,),
-            in_specs=[*w_specs, x_spec, s_spec],
+            in_specs=[*w_specs, x_spec, s_spec] + [s_spec] * p.zeros,  # zero points: the scales' blocks
             max_concurrent_steps=p.stages,
-        )(*[w_gmem] * p.pieces, x_gmem, s_gmem)
+        )(*[w_gmem] * p.pieces, x_gmem, s_gmem, *[z_gmem] * p.zeros)
         return acc_ref[...]
 
     acc = pl.run_scoped(acc_scope, plgpu.ACC((_TILE_N, p.tile_m), jnp.float32))
@@ -303,19 +321,19 @@ def _check_supported(wq: QuantizedWeights) -> None:
         raise NotImplementedError(reason)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "k_splits", "tile_k", "stages"))
+@functools.partial(jax.jit, static_argnames=("interpret", "k_splits", "tile_k", "stages", "zeros_in_kernel"))
 def quantized_matmul(x: jax.Array, wq: QuantizedWeights, *, interpret: bool = False,
                      k_splits: int | None = None, tile_k: int | None = None,
-                     stages: int | None = None) -> jax.Array:
+                     stages: int | None = None, zeros_in_kernel: bool | None = None) -> jax.Array:
     """x [M, K] @ wq -> [M, N] in x.dtype (Mosaic GPU, Hopper). k_splits / tile_k / stages override
     the split-K count, the K step and the pipeline depth (the defaults above; the tiling sweeps in
-    scripts/bench_quantized.py time alternatives)."""
+    scripts/bench_quantized.py time alternatives); zeros_in_kernel overrides ZEROS_IN_KERNEL."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     _check_supported(wq)
     m, n, kp = x.shape[0], wq.out_features, wq.padded_in_features
     compute_dtype = jnp.float16 if x.dtype == jnp.float16 else jnp.bfloat16
-    p = plan(wq, m, tile_k, stages)
+    p = plan(wq, m, tile_k, stages, zeros_in_kernel)
     mp = -(-(-(-m // 8) * 8) // p.tile_m) * p.tile_m
     xp = jnp.pad(pad_activations(x, wq), ((0, mp - m), (0, 0))).astype(compute_dtype)  # [Mp, Kp]
     k_steps = kp // p.tile_k
@@ -337,10 +355,10 @@ def quantized_matmul(x: jax.Array, wq: QuantizedWeights, *, interpret: bool = Fa
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(xp, values, wq.scales)
+    )(xp, values, wq.scales, *[wq.zeros] * p.zeros)
     y = partials.sum(axis=0).T[:m]  # [M, N] f32
     if wq.per_channel:
         y = y * wq.scales[0].astype(jnp.float32)[None, :]
-    if wq.zeros is not None:
+    if wq.zeros is not None and not p.zeros:
         y = y + zero_point_term(xp[:m], wq)
     return y.astype(x.dtype)

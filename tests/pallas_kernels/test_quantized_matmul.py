@@ -223,6 +223,34 @@ def test_gpu_kernel_tiling_overrides_in_interpret_mode(rng, name, kw):
     assert _rel(got, quantized_matmul(x, wq, impl="reference").astype(jnp.float32)) < 1e-2
 
 
+# Zero points in the kernel (gpu.ZEROS_IN_KERNEL): (m, k, n, bits, group, mode, overrides). Off-centre weights make
+# the zero points large; a K step of 128 inside a group of 256 reads one zero row per step.
+ZEROS_CASES = {"int4_natural_g32": (3, 576, 128, 4, 32, "natural_zp", {}),
+               "int4_halves_g32": (2, 512, 64, 4, 32, "zp", {}),
+               "int4_natural_g256_step_in_group": (1, 1024, 64, 4, 256, "natural_zp", dict(tile_k=128)),
+               "int8_g32": (5, 320, 128, 8, 32, "zp", dict(tile_k=64, k_splits=5))}
+
+
+@pytest.mark.parametrize("name", list(ZEROS_CASES))
+def test_gpu_kernel_adds_zero_points_in_the_kernel_in_interpret_mode(rng, name):
+    """Grouped zero points added to each dequantized part inside the kernel give the reference's product, as the
+    wrapper's xsum @ zeros does, on weights far from zero where the zero points carry most of the value. Inside,
+    the weight q x s + z is rounded to bf16 (twice here: the interpreter does not fuse the multiply-add), so the
+    bound is a few times what rounding the dequantized weights to bf16 once costs: the products cancel heavily
+    (weights ~0.5, the sums ~1/5 of their terms' spread), which magnifies that rounding."""
+    m, k, n, bits, group, mode, kw = ZEROS_CASES[name]
+    x, w = _inputs(rng, m, k, n, jnp.bfloat16)
+    wq = _quantize(w * 0.1 + 0.5, bits, group, mode)
+    assert float(jnp.abs(wq.zeros).mean()) > 0.3
+    want = quantized_matmul(x, wq, impl="reference").astype(jnp.float32)
+    rounded_once = x.astype(jnp.float32) @ dequantize_weights(wq)[:k].astype(jnp.bfloat16).astype(jnp.float32)
+    inside = gpu.quantized_matmul(x, wq, interpret=True, zeros_in_kernel=True, **kw)
+    outside = gpu.quantized_matmul(x, wq, interpret=True, zeros_in_kernel=False, **kw)
+    assert gpu.plan(wq, m, kw.get("tile_k"), zeros_in_kernel=True).zeros
+    assert _rel(outside, want) < 1e-2
+    assert _rel(inside, want) < 3 * _rel(rounded_once, want) + 1e-3
+
+
 def _has_mosaic_gpu_bindings() -> bool:
     try:
         import jax._src.lib.mosaic_gpu  # noqa: F401
@@ -265,6 +293,18 @@ def test_gpu_kernel_lowers_for_cuda(name):
     assert "mosaic_gpu" in lowered.as_text()
 
 
+@pytest.mark.skipif(not _has_mosaic_gpu_bindings(),
+                    reason="needs the Mosaic GPU bindings (jax-cuda13-plugin) to lower for CUDA")
+@pytest.mark.parametrize("name", [*ZEROS_CASES, "llama_up_int4_g32"])
+def test_gpu_kernel_with_zero_points_inside_lowers_for_cuda(name):
+    m, k, n, bits, group, mode, kw = ZEROS_CASES.get(name) or (1, 4096, 14336, 4, 32, "natural_zp", {})
+    wq = jax.eval_shape(lambda w: _quantize(w, bits, group, mode), jax.ShapeDtypeStruct((k, n), jnp.float32))
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    call = lambda x, wq: gpu.quantized_matmul(x, wq, zeros_in_kernel=True, **kw)
+    lowered = jax.jit(call).trace(x, wq).lower(lowering_platforms=("cuda",)).as_text()
+    assert "mosaic_gpu" in lowered
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("m, k, n, bits, group, fp8", [
     (1, 4096, 1024, 8, None, False), (13, 1000, 512, 8, None, False),
@@ -291,3 +331,19 @@ def test_gpu_kernel_matches_reference(rng, m, k, n, bits, group, fp8):
     want = quantized_matmul(x, wq, impl="reference")
     assert got.dtype == jnp.bfloat16
     assert _rel(got, want.astype(jnp.float32)) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [*ZEROS_CASES, "llama_up", "llama_down_g128", "rows_64"])
+def test_gpu_kernel_adds_zero_points_in_the_kernel(rng, name):
+    """gpu.ZEROS_IN_KERNEL's path on the GPU, held to the interpret-mode test's bound."""
+    m, k, n, bits, group, mode, kw = ZEROS_CASES.get(name) or {
+        "llama_up": (1, 4096, 14336, 4, 32, "natural_zp", {}),
+        "llama_down_g128": (1, 14336, 4096, 4, 128, "natural_zp", {}),
+        "rows_64": (64, 4096, 1024, 4, 32, "natural_zp", {})}[name]
+    x, w = _inputs(rng, m, k, n, jnp.bfloat16)
+    wq = _quantize(w * 0.1 + 0.5, bits, group, mode)
+    want = quantized_matmul(x, wq, impl="reference").astype(jnp.float32)
+    rounded_once = x.astype(jnp.float32) @ dequantize_weights(wq)[:k].astype(jnp.bfloat16).astype(jnp.float32)
+    got = gpu.quantized_matmul(x, wq, zeros_in_kernel=True, **kw)
+    assert _rel(got, want) < 3 * _rel(rounded_once, want) + 1e-3
