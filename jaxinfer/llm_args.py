@@ -132,9 +132,9 @@ LLM_ARG_RULES: tuple[FieldRule, ...] = (
     _r("enforce_eager", False, "True or False (no effect: XLA programs are always compiled)", _bool),
     _r("decode_steps_per_call", None, "None (the platform's: 8 on GPU/TPU, 4 on CPU) or an integer >= 1: decode "
        "iterations per device call", as_opt_int, lambda v: v is None or v >= 1),
-    _r("single_step_max_rows", None, "None (the platform's: 8 on GPU/TPU, 0 on CPU and for MoE models) or an "
-       "integer >= 0: decode batches of at most this many rows run one iteration per call, pipelined, so tokens "
-       "stream one by one; larger ones run decode_steps_per_call iterations per call", as_opt_int,
+    _r("single_step_max_rows", None, "None (the platform's: 8 on GPU/TPU, 0 on CPU, for MoE models and for quantized "
+       "weights on a GPU) or an integer >= 0: decode batches of at most this many rows run one iteration per call, "
+       "pipelined, so tokens stream one by one; larger ones run decode_steps_per_call iterations per call", as_opt_int,
        lambda v: v is None or v >= 0),
     _r("overlap_decode", True, "True or False", _bool),
     _r("compile_threads", None, "None (one per core) or an integer >= 1", as_opt_int, lambda v: v is None or v >= 1),
