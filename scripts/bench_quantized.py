@@ -216,7 +216,7 @@ def _m1_occupancy(s: dict[str, Any], copy_bw: float) -> list[dict[str, Any]]:
 
 
 # Formats with grouped zero points, for the zeros section: plain-order int4 (what a GPU stores) in groups of 32 and
-# 128, chunk-halves int4 in groups of 32 (GGUF Q4_1 / Q4_K repacks).
+# 128, chunk-halves int4 in groups of 32 (what a CPU or TPU stores).
 ZERO_POINT_FORMATS = {"int4_plain": dict(bits=4, group_size=32, zero_point=True, pack=2),
                       "int4_plain_g128": dict(bits=4, group_size=128, zero_point=True, pack=2),
                       "int4_halves": dict(bits=4, group_size=32, zero_point=True)}

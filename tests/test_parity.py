@@ -71,6 +71,20 @@ def test_tensor_parallel_3_equals_hf(smollm2_golden: dict) -> None:
     assert [o.token_ids for o in outs] == [c["output_ids"] for c in cases]
 
 
+def test_gguf_int4_in_plain_order_gives_hf_greedy_tokens(smollm2_golden: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The GGUF's Q4_1 blocks packed in plain int4 order, as a GPU stores them (quantization.fit_packs), read
+    here through the reference: the same codes, so HF's tokens."""
+    from jaxinfer import quantization
+    from pallas_kernels.quantized_matmul.reference import NATURAL_PACK
+
+    monkeypatch.setattr(quantization, "NATURAL_INT4_BACKENDS", ("cpu",))
+    plain = LLM("smollm2-135m-instruct", **{**ENGINE_KW, "max_num_seqs": 2, "warmup": False})  # compiles what it runs
+    assert plain.weights.layers[0].w_down.pack == NATURAL_PACK
+    cases = smollm2_golden["greedy"][:2]
+    outs = plain.generate([c["prompt_ids"] for c in cases], greedy_params(12))
+    assert [o.token_ids for o in outs] == [c["output_ids"][:12] for c in cases]
+
+
 def test_pallas_tpu_kernel_in_interpret_mode_gives_hf_greedy_tokens(smollm2_golden: dict) -> None:
     """The TPU ragged paged attention kernel, run by Pallas' interpreter on CPU, inside the real model. Single
     decode steps: the two multi-step loop programs took 29 of the 49 s this engine spent compiling on 2 cores;

@@ -25,7 +25,8 @@ those are dequantized and requantized to int8 per channel (not exact either).
 
 Every decoder returns codes [rows, K] int8, scales [rows, K / g] fp32 and zeros [rows, K / g] or None,
 row r being output channel r (GGUF stores a linear layer as [out, in] rows, which is the kernels'
-output-major layout).
+output-major layout). int4 codes are packed in the order the backend's kernel reads
+(quantization.fit_packs: plain int4 order on a GPU, chunk halves elsewhere), like any other int4 weight.
 """
 
 from __future__ import annotations
@@ -150,22 +151,17 @@ def _q6_k(raw: np.ndarray) -> Decoded:
 # type -> (decoder, block elements, format for a tensor of K columns)
 _EXACT: dict[Q, tuple[Callable[[np.ndarray], Decoded], Callable[[int], QFormat]]] = {
     Q.Q8_0: (_q8_0, lambda k: QFormat(8, 32, scale_dtype="float16")),
-    Q.Q4_0: (_q4_0, lambda k: QFormat(4, 32, scale_dtype="float16", pack=_pack32(k))),
-    Q.Q4_1: (_q4_1, lambda k: QFormat(4, 32, zeros=True, pack=_pack32(k))),
+    Q.Q4_0: (_q4_0, lambda k: QFormat(4, 32, scale_dtype="float16")),
+    Q.Q4_1: (_q4_1, lambda k: QFormat(4, 32, zeros=True)),
     Q.Q5_0: (_q5_0, lambda k: QFormat(8, 32, scale_dtype="float16")),
     Q.Q5_1: (_q5_1, lambda k: QFormat(8, 32, zeros=True)),
-    Q.Q4_K: (_q4_k, lambda k: QFormat(4, 32, zeros=True, pack=64)),
+    Q.Q4_K: (_q4_k, lambda k: QFormat(4, 32, zeros=True)),
     Q.Q5_K: (_q5_k, lambda k: QFormat(8, 32, zeros=True)),
     Q.Q6_K: (_q6_k, lambda k: QFormat(8, 16)),
 }
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16, Q.F64)
 FALLBACK = QFormat(8, 32)  # block types without an exact repack: dequantized, then int8 in groups of 32
 EXPERTS = QFormat(8, experts=True)
-
-
-def _pack32(k: int) -> int:
-    """The int4 packing chunk of a 32-group tensor: 64 (each half-chunk one group) when K allows."""
-    return 64 if k % 64 == 0 else 32
 
 
 EXACT_TYPES = frozenset(_EXACT)  # the block types repacked without a float copy

@@ -18,7 +18,7 @@ a BlockSpec of its own, so no swizzled tile is ever sliced in SMEM:
   one part per group, each multiplied by its scale row in bf16. A block per group
   instead (16-byte rows for int4 groups of 32) took a TMA copy and a barrier per 1-2 KB: the pipeline
   alone, with no arithmetic, streamed int4 at 45% of copy bandwidth against int8's 86%.
-* int4 in chunk halves (pack 32/64/128: GGUF Q4 repacks, and what a CPU or TPU stores): one
+* int4 in chunk halves (pack 32/64/128, what a CPU or TPU stores): one
   `[64, pack / 2]`-byte block per packing chunk, unpacked through int32 and f32 into two halves of
   pack / 2 elements; each half lies inside one group (reference.default_pack), so it takes one scale row.
   Natural order streams the 8B weight set 1.29x faster (H200, M = 1), and one iteration of the engine's

@@ -26,12 +26,11 @@ Storage format (`QuantizedWeights`), chosen for the kernels:
   `pack` 2 (NATURAL_PACK) is plain int4 order, two codes a byte, low first: the bytes of a jnp.int4
   [N, Kp] array, which the GPU kernel hands to Mosaic GPU's int4 loads and conversions (what the engine
   stores on a GPU, jaxinfer.quantization.fit_packs). Wider chunks unpack into two whole half-chunks, no
-  interleave, which the TPU kernel and
-  GGUF's own orders want: `pack` is 2 x the group for groups of 32 and 64 (so each half-chunk is
-  exactly one group and carries one scale; the group itself when Kp is no multiple of twice the
-  group), 128 for larger groups, and for per-channel weights the largest of 128/64/32 dividing Kp.
-  (GGUF's Q4_K packs exactly this way with pack 64; Q4_0/Q4_1 pack 32-wide blocks and are
-  re-interleaved at load.)
+  interleave, which the TPU kernel wants (and GGUF's Q4_K stores its nibbles this way with pack 64):
+  `pack` is 2 x the group for groups of 32 and 64 (so each half-chunk is exactly one group and
+  carries one scale; the group itself when Kp is no multiple of twice the group), 128 for larger
+  groups, and for per-channel weights the largest of 128/64/32 dividing Kp. GGUF blocks are decoded
+  to codes at load and packed like any other weight.
 """
 
 from __future__ import annotations
