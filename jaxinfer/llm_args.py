@@ -136,6 +136,9 @@ LLM_ARG_RULES: tuple[FieldRule, ...] = (
        "weights on a GPU) or an integer >= 0: decode batches of at most this many rows run one iteration per call, "
        "pipelined, so tokens stream one by one; larger ones run decode_steps_per_call iterations per call", as_opt_int,
        lambda v: v is None or v >= 0),
+    _r("long_prefill_token_threshold", 0, "an integer >= 0: a prompt's prefill runs at most this many tokens in one "
+       "step (0: as many as max_num_batched_tokens leaves), so a long prompt arriving while others decode holds "
+       "each of their tokens for a shorter step (vLLM's option of the same name)", as_int, lambda v: v >= 0),
     _r("overlap_decode", True, "True or False", _bool),
     _r("compile_threads", None, "None (one per core) or an integer >= 1", as_opt_int, lambda v: v is None or v >= 1),
     _r("compilation_cache_dir", "auto", "'auto', None or a directory path", _opt_path),
@@ -197,6 +200,7 @@ class LLMArgs:
     enforce_eager: bool = False
     decode_steps_per_call: int | None = None
     single_step_max_rows: int | None = None
+    long_prefill_token_threshold: int = 0
     overlap_decode: bool = True
     compile_threads: int | None = None
     compilation_cache_dir: str | None = "auto"

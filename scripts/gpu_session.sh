@@ -22,6 +22,7 @@
 #                at the decode buckets with it (engine), without it (pairs3) and at other tilings
 #   describe     llm.describe() of Llama-3-8B shape on one GPU (per-device weight/KV bytes, collectives)
 #   bench_tp1    the run of record's command (Llama-3-8B, bf16): TP=1 figures to hold within 3% of latest.json
+#   itl_chunks   the ITL sweep (concurrency 1/4/8) under prefill chunk caps ITL_CAPS (long_prefill_token_threshold)
 #   moe          Qwen3-30B-A3B shape on one GPU: decode MBU, 1000/1000, prefill MFU
 #   starts       cold then warm start of the bench's engine, each in its own process (warm_start_s)
 #   defaults     LLM("llama-3-8b") with no knobs beside the tuned engine on 1000/1000 (defaults_fraction_of_tuned)
@@ -148,6 +149,15 @@ print(f(llm.describe()))' ;;
       run record 590 python3 -m jaxinfer.cli bench --hf-json docs/benchmarks/hf_h100_128.json --memory-fraction 0.85 \
         --grid 1000x1000:192 128x128:256 sharegpt:128 2048x2048:32 --concurrency 1 4 8 --sweep-requests-per-slot 2 \
         --plot none --carry $(ls docs/benchmarks/{starts,defaults,cpu}.json 2>/dev/null) --out "$OUT/latest.json" ;;
+    itl_chunks)
+      # Issue 14's ITL ratio at concurrency 1 / 4 / 8 (1024/128 requests) under each prefill chunk cap in ITL_CAPS
+      # (long_prefill_token_threshold; 0 is today's default): a long prompt arriving mid-decode takes several
+      # shorter steps. One bench each: $OUT/itl_cap<N>.json.
+      for cap in ${ITL_CAPS:-0 256 512}; do
+        run itl_cap$cap 300 python3 -m jaxinfer.cli bench --hf skip --memory-fraction 0.85 --sections sweep \
+          --concurrency 1 4 8 --sweep-requests-per-slot 4 --long-prefill-token-threshold $cap --plot none \
+          --out "$OUT/itl_cap$cap.json"
+      done ;;
     moe)
       run moe 590 python3 -m jaxinfer.cli bench --model qwen3-30b-a3b --hf skip --memory-fraction 0.85 \
         --grid 1000x1000:128 --concurrency --decode-batches 1 64 --plot none --out "$OUT/moe_1gpu.json" ;;

@@ -55,6 +55,20 @@ def test_stream_yields_deltas_that_add_up(llm: LLM) -> None:
     assert finals and all(tokens[rid] == ids for rid, ids in finals.items())
 
 
+def test_long_prefill_token_threshold_gives_the_same_tokens_over_more_steps(llm: LLM) -> None:
+    """Prompts prefilled at most 4 tokens a step (vLLM's long_prefill_token_threshold): the same greedy tokens,
+    more steps; a negative threshold is refused by name before anything loads."""
+    before = llm.engine.num_steps
+    want = [o.token_ids for o in llm.generate(PROMPTS, GREEDY)]
+    uncapped_steps = llm.engine.num_steps - before
+    capped = LLM(CFG, decode_steps_per_call=4, long_prefill_token_threshold=4, warmup=False, **KW)
+    capped.engine.runner = llm.engine.runner  # same weights and compiled steps; only the scheduling differs
+    assert [o.token_ids for o in capped.generate(PROMPTS, GREEDY)] == want
+    assert capped.engine.num_steps > uncapped_steps
+    with pytest.raises(ValueError, match="long_prefill_token_threshold.*>= 0"):
+        LLM(CFG, long_prefill_token_threshold=-1, warmup=False, **KW)
+
+
 def test_options_are_checked() -> None:
     with pytest.raises(ConfigError, match="random_weights"):
         LLM(CFG, **{**KW, "random_weights": False})

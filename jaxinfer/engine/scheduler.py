@@ -159,6 +159,7 @@ class Scheduler:
         max_model_len: int,
         enable_prefix_caching: bool = True,
         max_pages_per_seq: int | None = None,
+        long_prefill_token_threshold: int = 0,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -167,9 +168,14 @@ class Scheduler:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
+        if long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold must be at least 0, got {long_prefill_token_threshold}.")
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # A prefill chunk's largest size in one step (0: whatever the budget leaves): a long prompt then takes
+        # several steps, each short enough not to hold the decoding rows of the same step for long.
+        self.long_prefill_token_threshold = long_prefill_token_threshold
         self.max_model_len = max_model_len
         self.max_pages_per_seq = max_pages_per_seq or pages_for_tokens(max_model_len, page_size)
         self.allocator = PageAllocator(num_pages, page_size)
@@ -401,7 +407,7 @@ class Scheduler:
             remaining = self._prefill_target(seq) - seq.num_computed_tokens
             if remaining <= 0 or (remaining == 1) != decodes:
                 continue
-            self._schedule_or_preempt(builder, seq, min(remaining, builder.budget_left))
+            self._schedule_or_preempt(builder, seq, self._chunk(remaining, builder))
 
     def _schedule_or_preempt(self, builder: _PlanBuilder, seq: Sequence, num_new: int) -> None:
         """Reserve pages for ``num_new`` tokens, preempting the least urgent running sequences as needed."""
@@ -419,7 +425,7 @@ class Scheduler:
 
     def _try_schedule(self, builder: _PlanBuilder, seq: Sequence) -> bool:
         """Schedule the next chunk of ``seq`` if budget and free pages allow, without preempting anyone."""
-        num_new = min(self._prefill_target(seq) - seq.num_computed_tokens, builder.budget_left)
+        num_new = self._chunk(self._prefill_target(seq) - seq.num_computed_tokens, builder)
         if num_new <= 0:
             return False
         try:
@@ -442,7 +448,7 @@ class Scheduler:
             return False
         seq.page_ids = self._take_prefix_hits(seq)
         num_computed = len(seq.page_ids) * self.page_size
-        num_new = min(self._prefill_target(seq) - num_computed, builder.budget_left)
+        num_new = self._chunk(self._prefill_target(seq) - num_computed, builder)
         try:
             copies = reserve_slots(self.allocator, seq.page_ids, num_computed, num_new)
         except OutOfPages:
@@ -480,6 +486,14 @@ class Scheduler:
 
     def _fork_pending(self, seq: Sequence) -> bool:
         return seq.index == 0 and not self._groups[seq.request_id].forked
+
+    def _chunk(self, remaining: int, builder: _PlanBuilder) -> int:
+        """Tokens of a sequence's `remaining` to run this step: what the budget leaves, and for a prefill at most
+        long_prefill_token_threshold (a decode's one token is never held back)."""
+        num_new = min(remaining, builder.budget_left)
+        if self.long_prefill_token_threshold and remaining > 1:
+            num_new = min(num_new, self.long_prefill_token_threshold)
+        return num_new
 
     def _prefill_target(self, seq: Sequence) -> int:
         """How many tokens ``num_computed_tokens`` should catch up to."""

@@ -255,6 +255,30 @@ def test_decodes_come_first_and_mix_with_prefill_chunks() -> None:
     assert plan.num_batched_tokens == 16
 
 
+def test_long_prefill_token_threshold_caps_each_prefill_chunk_and_leaves_budget_to_others() -> None:
+    """A prefill runs at most long_prefill_token_threshold tokens a step, whether it is admitted, continuing or
+    recomputed; the budget it leaves goes to the next waiting prompt, and a decode's token is never held back."""
+    sched = _sched(long_prefill_token_threshold=6, enable_prefix_caching=False)
+    sched.add(SequenceGroup.create("a", [1, 2, 3], max_tokens=10))
+    assert [e.num_new_tokens for e in _step(sched).seqs] == [3]  # shorter than the threshold: whole
+    sched.add(SequenceGroup.create("b", list(range(10, 30)), max_tokens=4))
+    sched.add(SequenceGroup.create("c", list(range(30, 40)), max_tokens=4))
+    plans = [_step(sched) for _ in range(4)]
+    assert [[(e.key[0], e.num_new_tokens) for e in p.seqs] for p in plans] == [
+        [("a", 1), ("b", 6), ("c", 6)],
+        [("a", 1), ("b", 6), ("c", 4)],  # c's last 4 prompt tokens
+        [("a", 1), ("c", 1), ("b", 6)],  # c decodes; b continues, still capped
+        [("a", 1), ("c", 1), ("b", 2)],
+    ]
+    assert all(p.num_batched_tokens <= 16 for p in plans)
+    # With no threshold the same arrivals take the budget whole, as before.
+    uncapped = _sched(enable_prefix_caching=False)
+    uncapped.add(SequenceGroup.create("b", list(range(10, 30)), max_tokens=4))
+    assert [e.num_new_tokens for e in _step(uncapped).seqs] == [16]
+    with pytest.raises(ValueError, match="long_prefill_token_threshold must be at least 0"):
+        _sched(long_prefill_token_threshold=-1)
+
+
 def test_priority_then_arrival_order_for_admission() -> None:
     sched = _sched(max_num_seqs=1)
     for rid, priority in (("late_low", 2), ("first_mid", 1), ("second_mid", 1), ("urgent", 0)):
