@@ -47,7 +47,7 @@
 #   q_tilings    scripts/bench_quantized.py's tiling sweeps (fp8 W8A8 at M >= 256, weight-only at M = 1):
 #                $OUT/quantized_tilings.json
 #   q_mscale     weight-only int8/int4 from M = 16 to 8,192: Pallas vs dequantize + dot vs bf16 ($OUT/quantized_mscale.json)
-#   q_tests      the quantized matmul kernels' gpu-marked tests
+#   q_tests      the quantized matmul kernels' gpu-marked tests, and the model's forward on them (test_quantization)
 #   q_occupancy  bench_quantized.py's occupancy_m1 sweep (K step x steps in flight x split-K at M = 1):
 #                $OUT/quantized_occupancy.json
 #   q_b1_kernels Llama-3-8B's batch-1 decode bucket for bf16, int8, int4 and plain-order int4: ms per iteration,
@@ -204,7 +204,8 @@ print(f(llm.describe()))' ;;
     q_mscale)
       run q_mscale 400 python3 scripts/bench_quantized.py --sections ceilings,m_scale --out "$OUT/quantized_mscale.json" ;;
     q_tests)
-      run q_tests 400 python3 -m pytest -q -m gpu --durations=5 tests/pallas_kernels/test_quantized_matmul.py ;;
+      run q_tests 400 python3 -m pytest -q -m gpu --durations=5 tests/pallas_kernels/test_quantized_matmul.py \
+        tests/test_quantization.py ;;
     q_occupancy)
       run q_occupancy 450 python3 scripts/bench_quantized.py --sections ceilings,occupancy_m1 \
         --out "$OUT/quantized_occupancy.json" ;;
@@ -230,7 +231,8 @@ print(f(llm.describe()))' ;;
     q_zeros)
       # gpu.ZEROS_IN_KERNEL's measurement: its gpu-marked test, one layer at M = 1 with the zero points added by the
       # wrapper and inside the kernel, then Llama-3-8B batch-1 decode with int4 both ways beside bf16.
-      run q_zeros_test 200 python3 -m pytest -q -m gpu -k zero_points tests/pallas_kernels/test_quantized_matmul.py
+      run q_zeros_test 200 python3 -m pytest -q -m gpu -k "zero_points or gpu_kernels_inside" \
+        tests/pallas_kernels/test_quantized_matmul.py tests/test_quantization.py
       run q_zeros_layer 200 python3 scripts/bench_quantized.py --fresh --sections ceilings,zeros --out "$OUT/quantized_zeros.json"
       run q_zeros_decode 450 python3 scripts/bench_quantized.py --sections decode --only bf16,int4,int4_zeros_inside \
         --out "$OUT/quantized_zeros.json" ;;

@@ -8,6 +8,7 @@ import dataclasses
 import types
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -20,7 +21,7 @@ from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.errors import InvalidInput
 from jaxinfer.kv_cache import allocate_kv_cache, kv_storage
-from jaxinfer.linear import Linear
+from jaxinfer.linear import Linear, is_quantized
 from jaxinfer.models import LLAMA, with_linear
 from jaxinfer.params import init_params
 from jaxinfer.quantization import QuantizationConfig, check_plan, fit_packs, logical_shards, method_plan, quantized_specs
@@ -32,11 +33,11 @@ PAGE = 4
 
 
 def quantized_runner(cfg, tp: int, method: str, kv_cache_dtype: str = "auto", plan_tp: int = 2,
-                     num_pages: int = 16, pack_backend: str = "cpu") -> ModelRunner:
+                     num_pages: int = 16, pack_backend: str = "cpu", linear_impl: str = "reference") -> ModelRunner:
     """A reference-attention runner over random weights quantized as `method`, split over `tp` devices. The
     plan is the one for `plan_tp` devices (int4 packing chunks fit the split K), so runners of different tp
     draw the same random codes with the same meaning. `pack_backend`: the backend whose int4 order the plan
-    takes ("gpu": plain order)."""
+    takes ("gpu": plain order); `linear_impl`: quantized_matmul's impl ("auto": the platform's kernels)."""
     mesh, rules = make_mesh(MeshConfig(tensor=tp)), tensor_parallel_rules(cfg, tp)
     specs = LLAMA.param_specs(cfg, jnp.float32)
     plan_shards = logical_shards(tensor_parallel_rules(cfg, plan_tp), make_mesh(MeshConfig(tensor=plan_tp)))
@@ -45,7 +46,7 @@ def quantized_runner(cfg, tp: int, method: str, kv_cache_dtype: str = "auto", pl
     weights = init_params(quantized_specs(specs, plan), 0, mesh, rules)
     kv_dtype, kv_quantized = kv_storage(kv_cache_dtype, jnp.float32)
     cache = allocate_kv_cache(cfg, num_pages, PAGE, kv_dtype, mesh, rules, quantized=kv_quantized)
-    family = with_linear(LLAMA, Linear(mesh, rules, "reference"))
+    family = with_linear(LLAMA, Linear(mesh, rules, linear_impl))
     return ModelRunner(family, cfg, weights, cache, mesh, rules, attention_impl="reference")
 
 
@@ -84,6 +85,29 @@ def test_tensor_parallel_quantized_model_equals_unsharded(cfg, method: str) -> N
     assert {s.data.shape for s in wq.values.addressable_shards} == {(wq.values.shape[0] // 2, wq.values.shape[1])}
     split = prompt_then_decode_logits(split_runner, ids)
     assert np.linalg.norm(split - whole) / np.linalg.norm(whole) < tol
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method, tol, zeros_inside", [
+    ("int8", 2e-2, False), ("int8:32", 2e-2, False), ("int4", 2e-2, False), ("int4", 2e-2, True),
+    ("int4:128", 2e-2, False), ("fp8", 5e-2, False)])
+def test_gpu_kernels_inside_the_model_match_the_reference(monkeypatch, method: str, tol: float,
+                                                          zeros_inside: bool) -> None:
+    """The model's forward with every quantized product on the GPU kernels (int4 in the plain order a GPU
+    stores; zero points inside the kernel too, gpu.ZEROS_IN_KERNEL) against the same weights through the
+    reference: a prefill and a decode step's logits. Shapes are multiples of 64 so no product falls back."""
+    from pallas_kernels.quantized_matmul import gpu
+
+    monkeypatch.setattr(gpu, "ZEROS_IN_KERNEL", zeros_inside)
+    cfg = tiny_config(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32)
+    ids = list(np.random.default_rng(2).integers(0, cfg.vocab_size, 10))
+    kernels = quantized_runner(cfg, 1, method, plan_tp=1, pack_backend="gpu", linear_impl="auto")  # one GPU
+    quantized = [w for w in jax.tree.leaves(kernels.weights, is_leaf=is_quantized) if is_quantized(w)]
+    assert quantized and all(gpu.unsupported_reason(w) is None for w in quantized if not w.w8a8)
+    assert {w.pack for w in quantized if w.bits == 4} <= {NATURAL_PACK}
+    got = prompt_then_decode_logits(kernels, ids)
+    want = prompt_then_decode_logits(quantized_runner(cfg, 1, method, plan_tp=1, pack_backend="gpu"), ids)
+    assert np.linalg.norm(got - want) / np.linalg.norm(want) < tol
 
 
 # ----------------------------------------------------------------------------- bad input, before loading
@@ -192,7 +216,6 @@ def test_convert_writes_a_quantized_checkpoint_that_restores_quantized_with_iden
     """`jaxinfer convert --quantization` on a tiny HF Llama; the orbax copy restores into the mesh quantized
     (no float copy: its plan says how) and greedy tokens equal quantizing the source at load."""
     from jaxinfer.cli import main
-    from jaxinfer.linear import is_quantized
     from jaxinfer import SamplingParams
     from tiny_checkpoint import write_tiny_hf_checkpoint
 
@@ -268,7 +291,6 @@ def test_default_quantization_dequantizes_only_a_gguf_that_fits_on_a_cpu() -> No
 
 def test_cpu_default_dequantizes_the_bundled_gguf_and_says_so(monkeypatch, capsys) -> None:
     from jaxinfer import platform
-    from jaxinfer.linear import is_quantized
 
     monkeypatch.setattr(platform, "_announced", set())  # another test in this process may have printed the same
     llm = LLM("smollm2-135m-instruct", warmup=False, num_pages=4, use_tqdm=False)
@@ -280,7 +302,6 @@ def test_cpu_default_dequantizes_the_bundled_gguf_and_says_so(monkeypatch, capsy
 def test_convert_keeps_a_gguf_quantized_unless_told_otherwise(tmp_path: Path, smollm2_path: Path) -> None:
     """The CPU's float default is for running: `jaxinfer convert` with no --quantization writes the blocks."""
     from jaxinfer.cli import main
-    from jaxinfer.linear import is_quantized
 
     assert main(["convert", str(smollm2_path), str(tmp_path / "q")]) == 0
     restored = LLM(str(tmp_path / "q"), warmup=False, num_pages=4, use_tqdm=False)

@@ -321,13 +321,21 @@ def _check_supported(wq: QuantizedWeights) -> None:
         raise NotImplementedError(reason)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "k_splits", "tile_k", "stages", "zeros_in_kernel"))
 def quantized_matmul(x: jax.Array, wq: QuantizedWeights, *, interpret: bool = False,
                      k_splits: int | None = None, tile_k: int | None = None,
                      stages: int | None = None, zeros_in_kernel: bool | None = None) -> jax.Array:
     """x [M, K] @ wq -> [M, N] in x.dtype (Mosaic GPU, Hopper). k_splits / tile_k / stages override
     the split-K count, the K step and the pipeline depth (the defaults above; the tiling sweeps in
-    scripts/bench_quantized.py time alternatives); zeros_in_kernel overrides ZEROS_IN_KERNEL."""
+    scripts/bench_quantized.py time alternatives); zeros_in_kernel overrides ZEROS_IN_KERNEL, which is
+    read here, outside the jit, so setting it changes every product traced afterwards."""
+    zeros = ZEROS_IN_KERNEL if zeros_in_kernel is None else zeros_in_kernel
+    return _quantized_matmul(x, wq, interpret=interpret, k_splits=k_splits, tile_k=tile_k, stages=stages,
+                             zeros_in_kernel=bool(zeros))
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "k_splits", "tile_k", "stages", "zeros_in_kernel"))
+def _quantized_matmul(x: jax.Array, wq: QuantizedWeights, *, interpret: bool, k_splits: int | None,
+                      tile_k: int | None, stages: int | None, zeros_in_kernel: bool) -> jax.Array:
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     _check_supported(wq)
