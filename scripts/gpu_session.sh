@@ -50,8 +50,8 @@
 #   q_tests      the quantized matmul kernels' gpu-marked tests, and the model's forward on them (test_quantization)
 #   q_occupancy  bench_quantized.py's occupancy_m1 sweep (K step x steps in flight x split-K at M = 1):
 #                $OUT/quantized_occupancy.json
-#   q_b1_kernels Llama-3-8B's batch-1 decode bucket for bf16, int8, int4 and plain-order int4: ms per iteration,
-#                the costliest kernels, compiled HLO ($OUT/q_b1_<format>.json, $OUT/hlo_<format>/)
+#   q_b1_kernels Llama-3-8B's batch-1 decode bucket for bf16, int8, int4 (plain order on a GPU) and chunk-halves
+#                int4: ms per iteration, the costliest kernels, compiled HLO ($OUT/q_b1_<format>.json, $OUT/hlo_<format>/)
 #   q_b1_trace   the same formats' batch-1 decode traced (scripts/trace_engine.py), single steps against the
 #                multi-step loop: $OUT/trace_<format>/
 #   q_zeros      int4 zero points inside the kernel (gpu.ZEROS_IN_KERNEL) against the wrapper's term: the gpu test,
@@ -211,18 +211,20 @@ print(f(llm.describe()))' ;;
         --out "$OUT/quantized_occupancy.json" ;;
     q_b1_kernels)
       # Llama-3-8B's batch-1 decode bucket per weight format: ms per iteration and the 40 costliest kernels
-      # (Q_B1_FORMATS: name=quantization[/int4 pack], "none" for bf16); compiled HLO of each under $OUT/hlo_<name>.
-      for f in ${Q_B1_FORMATS:-bf16=none int8=int8 int4=int4 int4_plain=int4/2}; do
+      # (Q_B1_FORMATS: name=quantization[/int4 pack: 2 plain, 64 chunk halves], "none" for bf16); compiled HLO of
+      # each, gzipped, under $OUT/hlo_<name>.
+      for f in ${Q_B1_FORMATS:-bf16=none int8=int8 int4=int4 int4_halves=int4/64}; do
         name=${f%%=*}; spec=${f#*=}; q=${spec%%/*}; pack=; [[ $spec == */* ]] && pack=${spec#*/}
         mkdir -p "$OUT/hlo_$name"
         run q_b1_$name 240 python3 scripts/profile_decode_buckets.py --rows 1 --max-num-seqs 8 --top 40 \
           --memory-fraction 0.85 --quantization "$q" ${pack:+--int4-pack $pack} --out "$OUT/q_b1_$name.json" \
           --hlo-dir "$OUT/hlo_$name"
+        gzip -f "$OUT/hlo_$name"/*.txt 2>/dev/null  # the text is too large to come back from the device as is
       done ;;
     q_b1_trace)
       # Batch-1 decode of Llama-3-8B per weight format (Q_B1_FORMATS as in q_b1_kernels), traced: pipelined single
       # steps against the multi-step loop, device busy fraction and the host's events in the gaps.
-      for f in ${Q_B1_FORMATS:-int8=int8 int4_plain=int4/2}; do
+      for f in ${Q_B1_FORMATS:-int8=int8 int4=int4}; do
         name=${f%%=*}; spec=${f#*=}; q=${spec%%/*}; pack=; [[ $spec == */* ]] && pack=${spec#*/}
         mkdir -p "$OUT/trace_$name"
         run q_b1_trace_$name 280 python3 scripts/trace_engine.py --batch 1 --memory-fraction 0.85 --overlap-only \
