@@ -131,6 +131,9 @@ def main() -> None:
               max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.ctx + 512,
               memory_fraction=args.memory_fraction,
               decode_steps_per_call=args.decode_steps_per_call, quantization=args.quantization,
+              # The largest value asked for, so the small single-step buckets it needs exist (the engine builds them
+              # from the value it starts with; MoE and quantized models on a GPU start at 0).
+              single_step_max_rows=max(args.single_step_max_rows) if args.single_step_max_rows else None,
               use_tqdm=False)
     llm.wait_for_background_compile()  # steady-state speed
     result = {"batch": args.batch, "ctx": args.ctx}
