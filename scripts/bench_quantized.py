@@ -30,7 +30,8 @@ it measured, and a second call with `--sections ... --out` of the same file adds
             dequantize-then-dot and the bf16 dot (where quantized_matmul switches to dequantize + dot);
   decode    engine decode at batch 1 (ctx 512, 128 steps) for bf16, int8, int4 (groups of 32), int4 in chunk
             halves (int4_halves: the storage order plain order replaced on GPUs), int4 with its zero points
-            added inside the kernel (int4_zeros_inside) and int4:128 weights: step
+            added inside the kernel (int4_zeros_inside) and int4:128 weights, and bf16 in multi-step calls
+            (bf16_multi_step): step
             time end to end and the speedup over bf16, then the device's time for a single step and for one
             iteration of the multi-step loop, with the single step's costliest kernels;
   offline   1000/1000 (512 prompts) with int8 weights + fp8 KV, and 128/128 (2048 prompts) with fp8 weights
@@ -386,9 +387,12 @@ def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
 
 
 # Decode formats beside the plain methods: int4 in groups of 32 stored in chunk halves (pack 64), what a GPU stored
-# before plain order; int4 with its zero points added inside the kernel (gpu.ZEROS_IN_KERNEL on).
+# before plain order; int4 with its zero points added inside the kernel (gpu.ZEROS_IN_KERNEL on); bf16 decoding
+# in multi-step calls at batch 1 (single_step_max_rows=0, what quantized models do on a GPU), the baseline's
+# other path.
 HALVES_INT4 = "int4_halves"
 ZEROS_INSIDE_INT4 = "int4_zeros_inside"
+BF16_MULTI_STEP = "bf16_multi_step"
 
 
 def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
@@ -398,7 +402,8 @@ def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
     from jaxinfer.bench.limits import ModelCost
     from jaxinfer.bench.measure import decode_device_profile, decode_mbu
 
-    quantization = {"bf16": None, HALVES_INT4: "int4", ZEROS_INSIDE_INT4: "int4"}.get(name, name)
+    quantization = {"bf16": None, BF16_MULTI_STEP: None, HALVES_INT4: "int4", ZEROS_INSIDE_INT4: "int4"}.get(name, name)
+    engine = dict(single_step_max_rows=0) if name == BF16_MULTI_STEP else {}
     if name == HALVES_INT4:
         from profile_decode_buckets import force_int4_pack
 
@@ -411,7 +416,7 @@ def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
         warnings.simplefilter("always")
         # warmup=False compiles only the programs batch-1 decode meets, lazily: a first pass compiles them (its
         # time is not the step's), the second is timed.
-        llm = build(s, smoke, quantization=quantization, warmup=False)
+        llm = build(s, smoke, quantization=quantization, warmup=False, **engine)
         cost = ModelCost.of(llm.model_config)
         for _ in range(2):
             r = decode_mbu(llm, cost, batch=1, ctx=s["ctx"], steps=s["steps"], copy_bw=1.0)
@@ -423,13 +428,15 @@ def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
 
 
 def decode_b1(s: dict[str, Any], smoke: bool, only: set[str] | None) -> dict[str, Any]:
-    names = [n for n in ("bf16", "int8", "int4", HALVES_INT4, ZEROS_INSIDE_INT4, s["int4_wide"]) if not only or n in only]
+    names = [n for n in ("bf16", BF16_MULTI_STEP, "int8", "int4", HALVES_INT4, ZEROS_INSIDE_INT4, s["int4_wide"])
+             if not only or n in only]
     rows = {name: in_child("decode", name, smoke) for name in names}
     ok = {k: v for k, v in rows.items() if "step_ms" in v}
     speedup = lambda k: ok["bf16"]["step_ms"] / ok[k]["step_ms"] if "bf16" in ok and k in ok else None
     return {"by_format": rows, "decode_b1_int8_speedup": speedup("int8"), "decode_b1_int4_speedup": speedup("int4"),
             "decode_b1_int4g128_speedup": speedup(s["int4_wide"]), "decode_b1_int4_halves_speedup": speedup(HALVES_INT4),
-            "decode_b1_int4_zeros_inside_speedup": speedup(ZEROS_INSIDE_INT4)}
+            "decode_b1_int4_zeros_inside_speedup": speedup(ZEROS_INSIDE_INT4),
+            "decode_b1_bf16_multi_step_speedup": speedup(BF16_MULTI_STEP)}
 
 
 def offline_runs(s: dict[str, Any]) -> dict[str, tuple[tuple[int, int, int], dict[str, str]]]:
