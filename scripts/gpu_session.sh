@@ -96,6 +96,13 @@ run() {  # run NAME SECONDS CMD...: log to $OUT/NAME.log, remember pass/fail
   VERDICT[$name]="rc=$rc $((SECONDS - start))s $(grep -E '^[0-9]+ passed|passed|failed|error' "$OUT/$name.log" | tail -1 | cut -c1-90)"
 }
 
+q_format() {  # q_format NAME=QUANTIZATION[/INT4_PACK] (Q_B1_FORMATS' entries): sets $name, $q and $pack
+  name=${1%%=*}
+  local spec=${1#*=}
+  q=${spec%%/*} pack=
+  [[ $spec == */* ]] && pack=${spec#*/}
+}
+
 for section in "$@"; do
   case $section in
     env)
@@ -214,7 +221,7 @@ print(f(llm.describe()))' ;;
       # (Q_B1_FORMATS: name=quantization[/int4 pack: 2 plain, 64 chunk halves], "none" for bf16); compiled HLO of
       # each, gzipped, under $OUT/hlo_<name>.
       for f in ${Q_B1_FORMATS:-bf16=none int8=int8 int4=int4 int4_halves=int4/64}; do
-        name=${f%%=*}; spec=${f#*=}; q=${spec%%/*}; pack=; [[ $spec == */* ]] && pack=${spec#*/}
+        q_format "$f"
         mkdir -p "$OUT/hlo_$name"
         run q_b1_$name 240 python3 scripts/profile_decode_buckets.py --rows 1 --max-num-seqs 8 --top 40 \
           --memory-fraction 0.85 --quantization "$q" ${pack:+--int4-pack $pack} --out "$OUT/q_b1_$name.json" \
@@ -225,7 +232,7 @@ print(f(llm.describe()))' ;;
       # Batch-1 decode of Llama-3-8B per weight format (Q_B1_FORMATS as in q_b1_kernels), traced: pipelined single
       # steps against the multi-step loop, device busy fraction and the host's events in the gaps.
       for f in ${Q_B1_FORMATS:-int8=int8 int4=int4}; do
-        name=${f%%=*}; spec=${f#*=}; q=${spec%%/*}; pack=; [[ $spec == */* ]] && pack=${spec#*/}
+        q_format "$f"
         mkdir -p "$OUT/trace_$name"
         run q_b1_trace_$name 280 python3 scripts/trace_engine.py --batch 1 --memory-fraction 0.85 --overlap-only \
           --single-step-max-rows 8 0 --quantization "$q" ${pack:+--int4-pack $pack} --out "$OUT/trace_$name/trace.json"
