@@ -25,15 +25,15 @@ it measured, and a second call with `--sections ... --out` of the same file adds
   occupancy_m1 (not in the default set) the weight-only kernel at M = 1 at small pipelines and more split-K: CTAs
             per SM against latency;
   zeros     (not in the default set) int4 with zero points at M = 1, one layer: the zero points added by the
-            wrapper against inside the kernel (gpu.ZEROS_IN_KERNEL, off until this says otherwise);
+            wrapper against inside the kernel (gpu.ZEROS_IN_KERNEL, on since this measured it);
   m_scale   (not in the default set) int8 / int4 weight-only from 16 rows to 8,192: the Pallas kernel against
             dequantize-then-dot and the bf16 dot (where quantized_matmul switches to dequantize + dot);
   decode    engine decode at batch 1 (ctx 512, 128 steps) for bf16, int8, int4 (groups of 32), int4 in chunk
             halves (int4_halves: the storage order plain order replaced on GPUs), int4 with its zero points
-            added inside the kernel (int4_zeros_inside) and int4:128 weights, and bf16 in multi-step calls
-            (bf16_multi_step): step
-            time end to end and the speedup over bf16, then the device's time for a single step and for one
-            iteration of the multi-step loop, with the single step's costliest kernels;
+            added by the wrapper instead of inside the kernel (int4_zeros_outside), int4:128 weights, and bf16
+            in multi-step calls (bf16_multi_step): step time end to end and the speedup over bf16, then the
+            device's time for a single step and for one iteration of the multi-step loop, with the single
+            step's costliest kernels;
   offline   1000/1000 (512 prompts) with int8 weights + fp8 KV, and 128/128 (2048 prompts) with fp8 weights
             (+ fp8 KV): output tok/s, and any kernel that fell back to the jnp reference (`fallbacks`); beside
             them the same workloads in bf16 and with bf16 KV. `--only` picks runs (decode formats, offline keys).
@@ -225,7 +225,7 @@ ZERO_POINT_FORMATS = {"int4_plain": dict(bits=4, group_size=32, zero_point=True,
 
 def _zeros(s: dict[str, Any], copy_bw: float) -> list[dict[str, Any]]:
     """One layer's five products at M = 1, zero points added by the wrapper (xsum @ zeros) against inside the
-    kernel (gpu.ZEROS_IN_KERNEL): the measurement that default waits for."""
+    kernel (gpu.ZEROS_IN_KERNEL): the measurement behind that default."""
     grid = [dict(zeros_in_kernel=False), dict(zeros_in_kernel=True)]
     return _layer_sweep(s, copy_bw, dict.fromkeys(ZERO_POINT_FORMATS, grid), ZERO_POINT_FORMATS)
 
@@ -387,11 +387,11 @@ def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
 
 
 # Decode formats beside the plain methods: int4 in groups of 32 stored in chunk halves (pack 64), what a GPU stored
-# before plain order; int4 with its zero points added inside the kernel (gpu.ZEROS_IN_KERNEL on); bf16 decoding
+# before plain order; int4 with its zero points added by the wrapper (gpu.ZEROS_IN_KERNEL off); bf16 decoding
 # in multi-step calls at batch 1 (single_step_max_rows=0, what quantized models do on a GPU), the baseline's
 # other path.
 HALVES_INT4 = "int4_halves"
-ZEROS_INSIDE_INT4 = "int4_zeros_inside"
+ZEROS_OUTSIDE_INT4 = "int4_zeros_outside"
 BF16_MULTI_STEP = "bf16_multi_step"
 
 
@@ -402,16 +402,16 @@ def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
     from jaxinfer.bench.limits import ModelCost
     from jaxinfer.bench.measure import decode_device_profile, decode_mbu
 
-    quantization = {"bf16": None, BF16_MULTI_STEP: None, HALVES_INT4: "int4", ZEROS_INSIDE_INT4: "int4"}.get(name, name)
+    quantization = {"bf16": None, BF16_MULTI_STEP: None, HALVES_INT4: "int4", ZEROS_OUTSIDE_INT4: "int4"}.get(name, name)
     engine = dict(single_step_max_rows=0) if name == BF16_MULTI_STEP else {}
     if name == HALVES_INT4:
         from profile_decode_buckets import force_int4_pack
 
         force_int4_pack(2 * 32)
-    if name == ZEROS_INSIDE_INT4:
+    if name == ZEROS_OUTSIDE_INT4:
         from pallas_kernels.quantized_matmul import gpu
 
-        gpu.ZEROS_IN_KERNEL = True
+        gpu.ZEROS_IN_KERNEL = False
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # warmup=False compiles only the programs batch-1 decode meets, lazily: a first pass compiles them (its
@@ -428,14 +428,14 @@ def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
 
 
 def decode_b1(s: dict[str, Any], smoke: bool, only: set[str] | None) -> dict[str, Any]:
-    names = [n for n in ("bf16", BF16_MULTI_STEP, "int8", "int4", HALVES_INT4, ZEROS_INSIDE_INT4, s["int4_wide"])
+    names = [n for n in ("bf16", BF16_MULTI_STEP, "int8", "int4", HALVES_INT4, ZEROS_OUTSIDE_INT4, s["int4_wide"])
              if not only or n in only]
     rows = {name: in_child("decode", name, smoke) for name in names}
     ok = {k: v for k, v in rows.items() if "step_ms" in v}
     speedup = lambda k: ok["bf16"]["step_ms"] / ok[k]["step_ms"] if "bf16" in ok and k in ok else None
     return {"by_format": rows, "decode_b1_int8_speedup": speedup("int8"), "decode_b1_int4_speedup": speedup("int4"),
             "decode_b1_int4g128_speedup": speedup(s["int4_wide"]), "decode_b1_int4_halves_speedup": speedup(HALVES_INT4),
-            "decode_b1_int4_zeros_inside_speedup": speedup(ZEROS_INSIDE_INT4),
+            "decode_b1_int4_zeros_outside_speedup": speedup(ZEROS_OUTSIDE_INT4),
             "decode_b1_bf16_multi_step_speedup": speedup(BF16_MULTI_STEP)}
 
 

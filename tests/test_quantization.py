@@ -94,7 +94,7 @@ def test_tensor_parallel_quantized_model_equals_unsharded(cfg, method: str) -> N
 def test_gpu_kernels_inside_the_model_match_the_reference(monkeypatch, method: str, tol: float,
                                                           zeros_inside: bool) -> None:
     """The model's forward with every quantized product on the GPU kernels (int4 in the plain order a GPU
-    stores; zero points inside the kernel too, gpu.ZEROS_IN_KERNEL) against the same weights through the
+    stores; zero points inside the kernel, gpu.ZEROS_IN_KERNEL's default, and in the wrapper) against the same weights through the
     reference: a prefill and a decode step's logits. Shapes are multiples of 64 so no product falls back."""
     from pallas_kernels.quantized_matmul import gpu
 

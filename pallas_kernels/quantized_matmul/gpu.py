@@ -25,8 +25,8 @@ a BlockSpec of its own, so no swizzled tile is ever sliced in SMEM:
   decode loop at batch 1 took 4.67 ms against 5.76 ms, so it is what the engine stores on a GPU. The
   uint8 -> int4 view below compiles to a bitcast: the loop's kernels summed to its time, no copy among them.
 The activation tile is swizzled at the width of one part so each part's columns are a whole number
-of swizzle tiles. Zero points (GGUF mins, int4's offsets) are added by the wrapper, `xsum @ zeros`, or
-with ZEROS_IN_KERNEL to each dequantized part inside the kernel (measured against each other next).
+of swizzle tiles. Zero points (GGUF mins, int4's offsets) are added to each dequantized part inside the
+kernel (ZEROS_IN_KERNEL; False adds them in the wrapper, `xsum @ zeros`, which cost a Llama-3-8B step 0.9 ms).
 
 Tiling. At decode (M <= 8) a step is 256 wide, 2 steps are in flight and split-K covers the SMs four
 times: smaller CTAs, more of them per SM, hide more latency. H200, one Llama-3-8B layer at M = 1, device
@@ -64,12 +64,13 @@ _SM_COVERS = 2  # split-K makes the grid about this many CTAs per SM at M > 8
 _SM_COVERS_DECODE = 4
 _NUM_SMS = 132
 _SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper block may use, leaving room for Mosaic's barriers
-# Grouped zero points (int4 "int4", GGUF Q4_1 / Q4_K / Q5_1 / Q5_K repacks) added to each dequantized part in the
-# kernel, one bf16 add per weight, instead of the wrapper's `xsum @ zeros`: an fp32 dot over [M, G] x [G, N] plus
-# the group sums, four XLA GEMM fusions that took 0.87 ms of a Llama-3-8B int4 step at batch 1 on an H200
-# (docs/PERFORMANCE.md, issue 15). Off until the two are timed against each other on a GPU
-# (`bench_quantized.py --sections zeros`); the interpret-mode and lowering tests cover both.
-ZEROS_IN_KERNEL = False
+# Grouped zero points (int4 "int4", GGUF Q4_1 / Q4_K / Q5_1 / Q5_K repacks) are added to each dequantized part in
+# the kernel, one bf16 add per weight, rather than by the wrapper's `xsum @ zeros`: an fp32 dot over [M, G] x [G, N]
+# plus the group sums, four XLA GEMM fusions a product. H200, same lease (scripts/gpu_session.sh q_zeros): one
+# Llama-3-8B layer's five products at M = 1, int4 in groups of 32, 91.6 -> 79.5 us (groups of 128 78.3 -> 70.0);
+# batch-1 decode end to end 4.84 -> 3.95 ms a token, the multi-step iteration 4.64 -> 3.78 ms. False restores the
+# wrapper's term (bench_quantized's int4_zeros_outside decode row).
+ZEROS_IN_KERNEL = True
 
 
 @dataclasses.dataclass(frozen=True)
