@@ -136,6 +136,7 @@ class LLM:
         decode_steps_per_call: int | None = None,
         single_step_max_rows: int | None = None,
         long_prefill_token_threshold: int = 0,
+        mixed_prefill_token_cap: int | None = None,
         overlap_decode: bool = True,
         compile_threads: int | None = None,
         compilation_cache_dir: str | Path | None = "auto",
@@ -314,6 +315,7 @@ class LLM:
             overlap_decode=self.overlap_decode, compile_threads=self.compile_threads, seed=self.args.seed,
             speculative=self.args.speculative, draft_runner=draft_runner,
             long_prefill_token_threshold=self.args.long_prefill_token_threshold,
+            mixed_prefill_token_cap=self.args.mixed_prefill_token_cap,
         )
         if self.args.seed is None and distributed.is_multiprocess():  # every process must draw the same seeds
             engine.reseed(distributed.shared_seed(int(np.random.default_rng().integers(2**62))))

@@ -36,12 +36,19 @@ class PlatformDefaults:
     # even (12.93 / 12.90 ms), but a served mix of prefills and decodes at 64 lost ~5%: 8 is what was measured
     # to win. A CPU runs the "device" work on the host's own cores, so it keeps multi-step calls.
     single_step_max_rows: int
+    # In a step that also decodes, a prompt prefills at most this many tokens (0: what the budget leaves), so a
+    # long prompt arriving among streaming requests is spread over several short steps rather than holding each
+    # of their next tokens for one long one. H200, Llama-3-8B, 1024/128 requests at concurrency 1 / 4 / 8 (ITL
+    # p99 over the median, worst of the three): no cap 2.26, 512 1.50, 256 1.24, output tok/s at 8 1,197 /
+    # 1,288 / 1,263 (scripts/gpu_session.sh itl_chunks). A TPU takes the GPU's value unmeasured; a CPU, whose
+    # steps cost by the token, none.
+    mixed_prefill_token_cap: int
 
 
 CPU = PlatformDefaults(max_num_seqs=16, max_num_batched_tokens=512, decode_steps_per_call=4, memory_fraction=0.5,
-                       single_step_max_rows=0)
+                       single_step_max_rows=0, mixed_prefill_token_cap=0)
 ACCELERATOR = PlatformDefaults(max_num_seqs=256, max_num_batched_tokens=4096, decode_steps_per_call=8,
-                               memory_fraction=0.85, single_step_max_rows=8)
+                               memory_fraction=0.85, single_step_max_rows=8, mixed_prefill_token_cap=256)
 FIELDS = tuple(f.name for f in dataclasses.fields(PlatformDefaults))
 
 # Mixture-of-experts models keep multi-step calls at every batch size. Each of Qwen3-30B-A3B's 48 layers ran

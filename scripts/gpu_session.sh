@@ -23,6 +23,8 @@
 #   describe     llm.describe() of Llama-3-8B shape on one GPU (per-device weight/KV bytes, collectives)
 #   bench_tp1    the run of record's command (Llama-3-8B, bf16): TP=1 figures to hold within 3% of latest.json
 #   itl_chunks   the ITL sweep (concurrency 1/4/8) under prefill chunk caps ITL_CAPS (long_prefill_token_threshold)
+#   mixed_cap    the run of record's 1000/1000 and 128/128 grids and ITL sweep without the mixed-step prefill cap (0)
+#                and with the platform's (mixed_prefill_token_cap): $OUT/mixed_cap{0,default}.json
 #   moe          Qwen3-30B-A3B shape on one GPU: decode MBU, 1000/1000, prefill MFU
 #   starts       cold then warm start of the bench's engine, each in its own process (warm_start_s)
 #   defaults     LLM("llama-3-8b") with no knobs beside the tuned engine on 1000/1000 (defaults_fraction_of_tuned)
@@ -165,6 +167,12 @@ print(f(llm.describe()))' ;;
           --concurrency 1 4 8 --sweep-requests-per-slot 4 --long-prefill-token-threshold $cap --plot none \
           --out "$OUT/itl_cap$cap.json"
       done ;;
+    mixed_cap)
+      for cap in 0 default; do
+        run mixed_cap_$cap 290 python3 -m jaxinfer.cli bench --hf skip --memory-fraction 0.85 --sections grid sweep \
+          --grid 1000x1000:192 128x128:256 --concurrency 1 4 8 --sweep-requests-per-slot 2 --plot none \
+          $([[ $cap == default ]] || echo --mixed-prefill-token-cap $cap) --out "$OUT/mixed_cap_$cap.json"
+      done ;;
     moe)
       run moe 590 python3 -m jaxinfer.cli bench --model qwen3-30b-a3b --hf skip --memory-fraction 0.85 \
         --grid 1000x1000:128 --concurrency --decode-batches 1 64 --plot none --out "$OUT/moe_1gpu.json" ;;
@@ -243,7 +251,7 @@ print(f(llm.describe()))' ;;
       run q_zeros_test 200 python3 -m pytest -q -m gpu -k "zero_points or gpu_kernels_inside" \
         tests/pallas_kernels/test_quantized_matmul.py tests/test_quantization.py
       run q_zeros_layer 200 python3 scripts/bench_quantized.py --fresh --sections ceilings,zeros --out "$OUT/quantized_zeros.json"
-      run q_zeros_decode 450 python3 scripts/bench_quantized.py --sections decode --only bf16,int4,int4_zeros_inside \
+      run q_zeros_decode 450 python3 scripts/bench_quantized.py --sections decode --only bf16,int4,int4_zeros_outside \
         --out "$OUT/quantized_zeros.json" ;;
     q_kernels)
       run q_kernels 300 python3 scripts/bench_quantized.py --fresh --sections ceilings,kernels --out "$OUT/quantized.json" ;;

@@ -53,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='persistent XLA cache directory; "auto" (~/.cache/jaxinfer/xla on GPU), or "none"')
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="prefill at most this many tokens of a prompt per step (0: no limit but the step's budget)")
+    p.add_argument("--mixed-prefill-token-cap", type=int, default=None,
+                   help="the same cap in steps that also decode (default: the platform's, 256 on GPU/TPU)")
     p.add_argument("--no-overlap-decode", dest="overlap_decode", action="store_false",
                    help="read every decode call back before launching the next (the engine overlaps by default)")
     p.add_argument("--grid", nargs="*", default=DEFAULT_GRID, help="INxOUT:N or sharegpt:N workloads")
@@ -223,7 +225,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
               max_model_len=max_len, max_num_batched_tokens=args.max_num_batched_tokens, page_size=args.page_size,
               memory_fraction=args.memory_fraction, num_pages=args.num_pages, decode_steps_per_call=args.decode_steps_per_call,
               overlap_decode=args.overlap_decode, compile_threads=args.compile_threads, use_tqdm=False,
-              compilation_cache_dir=cache_dir, long_prefill_token_threshold=args.long_prefill_token_threshold)
+              compilation_cache_dir=cache_dir, long_prefill_token_threshold=args.long_prefill_token_threshold,
+              mixed_prefill_token_cap=args.mixed_prefill_token_cap)
     result["warmup_s"] = time.perf_counter() - t
     t = time.perf_counter()  # measurements start once nothing is left compiling in the background (Engine.warmup)
     llm.engine.wait_for_background_compile()
@@ -242,6 +245,7 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                         "decode_steps_per_call": args.decode_steps_per_call,
                         "overlap_decode": args.overlap_decode,
                         "long_prefill_token_threshold": args.long_prefill_token_threshold,
+                        "mixed_prefill_token_cap": replica.engine.scheduler.mixed_prefill_token_cap,
                         "attention_impl": replica.engine.runner.attention_impl,
                         "weight_bytes_per_step": cost.weight_bytes_per_step,
                         "warmup_breakdown": replica.engine.runner.precompile_times,

@@ -76,6 +76,7 @@ class Engine:
         speculative: Any = None,
         draft_runner: ModelRunner | None = None,
         long_prefill_token_threshold: int = 0,
+        mixed_prefill_token_cap: int = 0,
     ) -> None:
         self.runner, self.tokenizer, self.use_tqdm = runner, tokenizer, use_tqdm
         self.loop = DecodeLoop(self, _at_least_one("decode_steps_per_call", decode_steps_per_call), overlap_decode)
@@ -115,6 +116,7 @@ class Engine:
             max_model_len=self.max_model_len,
             enable_prefix_caching=enable_prefix_caching,
             long_prefill_token_threshold=long_prefill_token_threshold,
+            mixed_prefill_token_cap=mixed_prefill_token_cap,
         )
         self.token_buckets = buckets_up_to(pow2_ceil(engine_cfg.max_num_batched_tokens), MIN_TOKEN_BUCKET)
         # A single decoding sequence gets its own small bucket: at one or two rows the weight matmuls are

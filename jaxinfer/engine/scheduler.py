@@ -109,6 +109,8 @@ class _PlanBuilder:
     budget_left: int
     chunks: dict[Sequence, _Chunk] = field(default_factory=dict)  # insertion order is plan order
     preempted: list[SeqKey] = field(default_factory=list)
+    decodes: int = 0  # chunks of one token: rows that wait for this step's slowest prefill
+
 
     def __contains__(self, seq: Sequence) -> bool:
         return seq in self.chunks
@@ -116,11 +118,13 @@ class _PlanBuilder:
     def add(self, seq: Sequence, num_new: int, copies: list[PageCopy]) -> None:
         self.chunks[seq] = _Chunk(num_new, copies)
         self.budget_left -= num_new
+        self.decodes += num_new == 1
 
     def drop(self, seq: Sequence) -> None:
         chunk = self.chunks.pop(seq, None)
         if chunk is not None:
             self.budget_left += chunk.num_new
+            self.decodes -= chunk.num_new == 1
 
     def build(self) -> StepPlan:
         seqs: list[ScheduledSeq] = []
@@ -160,6 +164,7 @@ class Scheduler:
         enable_prefix_caching: bool = True,
         max_pages_per_seq: int | None = None,
         long_prefill_token_threshold: int = 0,
+        mixed_prefill_token_cap: int = 0,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -168,14 +173,20 @@ class Scheduler:
         ):
             if value < 1:
                 raise ValueError(f"{name} must be at least 1, got {value}.")
-        if long_prefill_token_threshold < 0:
-            raise ValueError(f"long_prefill_token_threshold must be at least 0, got {long_prefill_token_threshold}.")
+        for name, value in (("long_prefill_token_threshold", long_prefill_token_threshold),
+                            ("mixed_prefill_token_cap", mixed_prefill_token_cap)):
+            if value < 0:
+                raise ValueError(f"{name} must be at least 0, got {value}.")
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         # A prefill chunk's largest size in one step (0: whatever the budget leaves): a long prompt then takes
         # several steps, each short enough not to hold the decoding rows of the same step for long.
         self.long_prefill_token_threshold = long_prefill_token_threshold
+        # The same cap for steps that also decode (0: none). Every decoding row of a step waits for the step's
+        # prefill, so this bounds the gap between two of its tokens; a step with nothing decoding keeps the whole
+        # budget for the prompt (a long prompt alone is not slowed down).
+        self.mixed_prefill_token_cap = mixed_prefill_token_cap
         self.max_model_len = max_model_len
         self.max_pages_per_seq = max_pages_per_seq or pages_for_tokens(max_model_len, page_size)
         self.allocator = PageAllocator(num_pages, page_size)
@@ -489,10 +500,13 @@ class Scheduler:
 
     def _chunk(self, remaining: int, builder: _PlanBuilder) -> int:
         """Tokens of a sequence's `remaining` to run this step: what the budget leaves, and for a prefill at most
-        long_prefill_token_threshold (a decode's one token is never held back)."""
+        long_prefill_token_threshold, and mixed_prefill_token_cap when the step decodes rows too (decodes are
+        scheduled first; a decode's one token is never held back)."""
         num_new = min(remaining, builder.budget_left)
-        if self.long_prefill_token_threshold and remaining > 1:
-            num_new = min(num_new, self.long_prefill_token_threshold)
+        if remaining > 1:
+            for cap in (self.long_prefill_token_threshold, self.mixed_prefill_token_cap if builder.decodes else 0):
+                if cap:
+                    num_new = min(num_new, cap)
         return num_new
 
     def _prefill_target(self, seq: Sequence) -> int:

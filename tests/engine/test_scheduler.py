@@ -279,6 +279,27 @@ def test_long_prefill_token_threshold_caps_each_prefill_chunk_and_leaves_budget_
         _sched(long_prefill_token_threshold=-1)
 
 
+def test_mixed_prefill_token_cap_holds_only_steps_that_decode() -> None:
+    """mixed_prefill_token_cap caps a prompt's chunk only while some row decodes in the same step: a prompt alone
+    takes the whole budget, one arriving beside a decoding row is spread over capped steps, and both caps at once
+    take the lower."""
+    sched = _sched(mixed_prefill_token_cap=5, enable_prefix_caching=False)
+    sched.add(SequenceGroup.create("a", list(range(1, 21)), max_tokens=10))
+    assert [e.num_new_tokens for e in _step(sched).seqs] == [16]  # nothing decodes: the budget, not the cap
+    assert [e.num_new_tokens for e in _step(sched).seqs] == [4]  # a's last 4 prompt tokens, still alone
+    sched.add(SequenceGroup.create("b", list(range(30, 50)), max_tokens=4))
+    plans = [_step(sched) for _ in range(4)]
+    assert [[(e.key[0], e.num_new_tokens) for e in p.seqs] for p in plans] == [
+        [("a", 1), ("b", 5)], [("a", 1), ("b", 5)], [("a", 1), ("b", 5)], [("a", 1), ("b", 5)]]
+    both = _sched(mixed_prefill_token_cap=5, long_prefill_token_threshold=3, enable_prefix_caching=False)
+    both.add(SequenceGroup.create("a", [1, 2], max_tokens=10))
+    _step(both)
+    both.add(SequenceGroup.create("b", list(range(30, 50)), max_tokens=4))
+    assert [e.num_new_tokens for e in _step(both).seqs] == [1, 3]
+    with pytest.raises(ValueError, match="mixed_prefill_token_cap must be at least 0"):
+        _sched(mixed_prefill_token_cap=-1)
+
+
 def test_priority_then_arrival_order_for_admission() -> None:
     sched = _sched(max_num_seqs=1)
     for rid, priority in (("late_low", 2), ("first_mid", 1), ("second_mid", 1), ("urgent", 0)):
