@@ -36,11 +36,11 @@ class PlatformDefaults:
     # even (12.93 / 12.90 ms), but a served mix of prefills and decodes at 64 lost ~5%: 8 is what was measured
     # to win. A CPU runs the "device" work on the host's own cores, so it keeps multi-step calls.
     single_step_max_rows: int
-    # In a step that also decodes, a prompt prefills at most this many tokens (0: what the budget leaves), so a
-    # long prompt arriving among streaming requests is spread over several short steps rather than holding each
-    # of their next tokens for one long one. H200, Llama-3-8B, 1024/128 requests at concurrency 1 / 4 / 8 (ITL
-    # p99 over the median, worst of the three): no cap 2.26, 512 1.50, 256 1.24, output tok/s at 8 1,197 /
-    # 1,288 / 1,263 (scripts/gpu_session.sh itl_chunks). A TPU takes the GPU's value unmeasured; a CPU, whose
+    # A step that also decodes a few rows (engine.scheduler.MIXED_PREFILL_MAX_DECODES) prefills at most this many
+    # prompt tokens in all (0: what the budget leaves), so prompts arriving among streaming requests are spread
+    # over several short steps rather than holding each of their next tokens for one long one. Capping each
+    # prompt instead was tried: prompts arriving together still made one long step per chunk (H100, 1024/128 at
+    # concurrency 8: ITL p99 35 ms against 9.7 with no cap). A TPU takes the GPU's value unmeasured; a CPU, whose
     # steps cost by the token, none.
     mixed_prefill_token_cap: int
 

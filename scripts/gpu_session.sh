@@ -170,7 +170,7 @@ print(f(llm.describe()))' ;;
     mixed_cap)
       for cap in 0 default; do
         run mixed_cap_$cap 290 python3 -m jaxinfer.cli bench --hf skip --memory-fraction 0.85 --sections grid sweep \
-          --grid 1000x1000:192 128x128:256 --concurrency 1 4 8 --sweep-requests-per-slot 2 --plot none \
+          --grid 1000x1000:192 128x128:256 --concurrency 1 4 8 --sweep-requests-per-slot ${MC_PER_SLOT:-2} --plot none \
           $([[ $cap == default ]] || echo --mixed-prefill-token-cap $cap) --out "$OUT/mixed_cap_$cap.json"
       done ;;
     moe)

@@ -100,6 +100,7 @@ class StepPlan:
 class _Chunk:
     num_new: int
     copies: list[PageCopy]
+    decode: bool
 
 
 @dataclass(slots=True)
@@ -109,22 +110,24 @@ class _PlanBuilder:
     budget_left: int
     chunks: dict[Sequence, _Chunk] = field(default_factory=dict)  # insertion order is plan order
     preempted: list[SeqKey] = field(default_factory=list)
-    decodes: int = 0  # chunks of one token: rows that wait for this step's slowest prefill
-
+    decodes: int = 0  # decoding rows: each waits for the whole step, prefill chunks included
+    prefill_tokens: int = 0
 
     def __contains__(self, seq: Sequence) -> bool:
         return seq in self.chunks
 
-    def add(self, seq: Sequence, num_new: int, copies: list[PageCopy]) -> None:
-        self.chunks[seq] = _Chunk(num_new, copies)
+    def add(self, seq: Sequence, num_new: int, copies: list[PageCopy], decode: bool = False) -> None:
+        self.chunks[seq] = _Chunk(num_new, copies, decode)
         self.budget_left -= num_new
-        self.decodes += num_new == 1
+        self.decodes += decode
+        self.prefill_tokens += 0 if decode else num_new
 
     def drop(self, seq: Sequence) -> None:
         chunk = self.chunks.pop(seq, None)
         if chunk is not None:
             self.budget_left += chunk.num_new
-            self.decodes -= chunk.num_new == 1
+            self.decodes -= chunk.decode
+            self.prefill_tokens -= 0 if chunk.decode else chunk.num_new
 
     def build(self) -> StepPlan:
         seqs: list[ScheduledSeq] = []
@@ -151,6 +154,12 @@ def _order(seq: Sequence) -> tuple[int, float, int, int]:
     return seq.order_key
 
 
+# mixed_prefill_token_cap holds while a step decodes at most this many rows. At 1024/128 requests a client asks
+# for ~8 prompt tokens per decoded token, so 16 streaming clients need ~128 prefill tokens a step on average, half
+# of the GPU default cap of 256; a full batch's backlog (an offline job of hundreds of prompts) needs the budget.
+MIXED_PREFILL_MAX_DECODES = 16
+
+
 class Scheduler:
     """Decides, step by step, which tokens of which sequences run, and owns their KV pages."""
 
@@ -165,6 +174,7 @@ class Scheduler:
         max_pages_per_seq: int | None = None,
         long_prefill_token_threshold: int = 0,
         mixed_prefill_token_cap: int = 0,
+        mixed_prefill_max_decodes: int = MIXED_PREFILL_MAX_DECODES,
     ) -> None:
         for name, value in (
             ("max_num_seqs", max_num_seqs),
@@ -183,10 +193,13 @@ class Scheduler:
         # A prefill chunk's largest size in one step (0: whatever the budget leaves): a long prompt then takes
         # several steps, each short enough not to hold the decoding rows of the same step for long.
         self.long_prefill_token_threshold = long_prefill_token_threshold
-        # The same cap for steps that also decode (0: none). Every decoding row of a step waits for the step's
-        # prefill, so this bounds the gap between two of its tokens; a step with nothing decoding keeps the whole
-        # budget for the prompt (a long prompt alone is not slowed down).
+        # The prefill tokens of a step that also decodes at most mixed_prefill_max_decodes rows (0: no cap). Every
+        # decoding row waits for the whole step, so this bounds the gap between two of its tokens. A step with
+        # nothing decoding keeps the whole budget (a lone long prompt is not slowed down), and so does one with
+        # many decoding rows: there the prefill backlog of a full batch needs the budget, and the step is long
+        # anyway.
         self.mixed_prefill_token_cap = mixed_prefill_token_cap
+        self.mixed_prefill_max_decodes = mixed_prefill_max_decodes
         self.max_model_len = max_model_len
         self.max_pages_per_seq = max_pages_per_seq or pages_for_tokens(max_model_len, page_size)
         self.allocator = PageAllocator(num_pages, page_size)
@@ -418,9 +431,10 @@ class Scheduler:
             remaining = self._prefill_target(seq) - seq.num_computed_tokens
             if remaining <= 0 or (remaining == 1) != decodes:
                 continue
-            self._schedule_or_preempt(builder, seq, self._chunk(remaining, builder))
+            if num_new := self._chunk(remaining, builder):  # 0: the step's prefill cap is used up
+                self._schedule_or_preempt(builder, seq, num_new, decode=remaining == 1)
 
-    def _schedule_or_preempt(self, builder: _PlanBuilder, seq: Sequence, num_new: int) -> None:
+    def _schedule_or_preempt(self, builder: _PlanBuilder, seq: Sequence, num_new: int, decode: bool) -> None:
         """Reserve pages for ``num_new`` tokens, preempting the least urgent running sequences as needed."""
         while True:
             try:
@@ -431,7 +445,7 @@ class Scheduler:
                 if victim is seq:
                     return
                 continue
-            builder.add(seq, num_new, copies)
+            builder.add(seq, num_new, copies, decode)
             return
 
     def _try_schedule(self, builder: _PlanBuilder, seq: Sequence) -> bool:
@@ -448,7 +462,7 @@ class Scheduler:
 
     def _admit_waiting(self, builder: _PlanBuilder) -> None:
         # Strict (priority, arrival) order: if the head does not fit, nothing behind it may overtake it.
-        while builder.budget_left > 0:
+        while builder.budget_left > 0 and self._prefill_room(builder) != 0:
             seq = self._peek_waiting()
             if seq is None or not self._try_admit(seq, builder):
                 return
@@ -500,14 +514,21 @@ class Scheduler:
 
     def _chunk(self, remaining: int, builder: _PlanBuilder) -> int:
         """Tokens of a sequence's `remaining` to run this step: what the budget leaves, and for a prefill at most
-        long_prefill_token_threshold, and mixed_prefill_token_cap when the step decodes rows too (decodes are
-        scheduled first; a decode's one token is never held back)."""
+        long_prefill_token_threshold and what the step's mixed prefill cap leaves (decodes are scheduled first;
+        a decode's one token is never held back)."""
         num_new = min(remaining, builder.budget_left)
         if remaining > 1:
-            for cap in (self.long_prefill_token_threshold, self.mixed_prefill_token_cap if builder.decodes else 0):
-                if cap:
-                    num_new = min(num_new, cap)
+            if self.long_prefill_token_threshold:
+                num_new = min(num_new, self.long_prefill_token_threshold)
+            if (room := self._prefill_room(builder)) is not None:
+                num_new = min(num_new, room)
         return num_new
+
+    def _prefill_room(self, builder: _PlanBuilder) -> int | None:
+        """Prefill tokens this step may still take under mixed_prefill_token_cap; None when it does not apply."""
+        if not self.mixed_prefill_token_cap or not 0 < builder.decodes <= self.mixed_prefill_max_decodes:
+            return None
+        return max(0, self.mixed_prefill_token_cap - builder.prefill_tokens)
 
     def _prefill_target(self, seq: Sequence) -> int:
         """How many tokens ``num_computed_tokens`` should catch up to."""

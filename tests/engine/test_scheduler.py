@@ -279,23 +279,35 @@ def test_long_prefill_token_threshold_caps_each_prefill_chunk_and_leaves_budget_
         _sched(long_prefill_token_threshold=-1)
 
 
-def test_mixed_prefill_token_cap_holds_only_steps_that_decode() -> None:
-    """mixed_prefill_token_cap caps a prompt's chunk only while some row decodes in the same step: a prompt alone
-    takes the whole budget, one arriving beside a decoding row is spread over capped steps, and both caps at once
-    take the lower."""
+def test_mixed_prefill_token_cap_bounds_the_prefill_of_steps_that_decode_a_few_rows() -> None:
+    """mixed_prefill_token_cap bounds a step's prefill tokens, over all its prompts, while 1 to
+    mixed_prefill_max_decodes rows decode: a prompt alone takes the whole budget, prompts arriving beside a
+    decoding row share the cap (the second waits), and with more decoding rows than that there is no cap."""
     sched = _sched(mixed_prefill_token_cap=5, enable_prefix_caching=False)
-    sched.add(SequenceGroup.create("a", list(range(1, 21)), max_tokens=10))
+    sched.add(SequenceGroup.create("a", list(range(1, 21)), max_tokens=20))
     assert [e.num_new_tokens for e in _step(sched).seqs] == [16]  # nothing decodes: the budget, not the cap
     assert [e.num_new_tokens for e in _step(sched).seqs] == [4]  # a's last 4 prompt tokens, still alone
-    sched.add(SequenceGroup.create("b", list(range(30, 50)), max_tokens=4))
-    plans = [_step(sched) for _ in range(4)]
+    sched.add(SequenceGroup.create("b", list(range(30, 42)), max_tokens=4))
+    sched.add(SequenceGroup.create("c", list(range(50, 56)), max_tokens=4))
+    plans = [_step(sched) for _ in range(5)]
     assert [[(e.key[0], e.num_new_tokens) for e in p.seqs] for p in plans] == [
-        [("a", 1), ("b", 5)], [("a", 1), ("b", 5)], [("a", 1), ("b", 5)], [("a", 1), ("b", 5)]]
+        [("a", 1), ("b", 5)],  # c waits: the cap is used up, though the budget is not
+        [("a", 1), ("b", 5)],
+        [("a", 1), ("b", 2), ("c", 3)],  # b's last 2 prompt tokens leave 3 to c
+        [("a", 1), ("b", 1), ("c", 3)],
+        [("a", 1), ("b", 1), ("c", 1)],
+    ]
     both = _sched(mixed_prefill_token_cap=5, long_prefill_token_threshold=3, enable_prefix_caching=False)
     both.add(SequenceGroup.create("a", [1, 2], max_tokens=10))
     _step(both)
     both.add(SequenceGroup.create("b", list(range(30, 50)), max_tokens=4))
-    assert [e.num_new_tokens for e in _step(both).seqs] == [1, 3]
+    assert [e.num_new_tokens for e in _step(both).seqs] == [1, 3]  # the lower of the two caps
+    many = _sched(mixed_prefill_token_cap=5, mixed_prefill_max_decodes=1, enable_prefix_caching=False)
+    for rid in "ab":
+        many.add(SequenceGroup.create(rid, [1, 2], max_tokens=10))
+    _step(many)
+    many.add(SequenceGroup.create("c", list(range(30, 50)), max_tokens=4))
+    assert [e.num_new_tokens for e in _step(many).seqs] == [1, 1, 14]  # two rows decode: past the limit, no cap
     with pytest.raises(ValueError, match="mixed_prefill_token_cap must be at least 0"):
         _sched(mixed_prefill_token_cap=-1)
 
