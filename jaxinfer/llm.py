@@ -136,7 +136,7 @@ class LLM:
         decode_steps_per_call: int | None = None,
         single_step_max_rows: int | None = None,
         long_prefill_token_threshold: int = 0,
-        mixed_prefill_token_cap: int | None = None,
+        mixed_prefill_token_cap: int = 0,
         overlap_decode: bool = True,
         compile_threads: int | None = None,
         compilation_cache_dir: str | Path | None = "auto",

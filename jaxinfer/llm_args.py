@@ -139,10 +139,9 @@ LLM_ARG_RULES: tuple[FieldRule, ...] = (
     _r("long_prefill_token_threshold", 0, "an integer >= 0: a prompt's prefill runs at most this many tokens in one "
        "step (0: as many as max_num_batched_tokens leaves), so a long prompt arriving while others decode holds "
        "each of their tokens for a shorter step (vLLM's option of the same name)", as_int, lambda v: v >= 0),
-    _r("mixed_prefill_token_cap", None, "None (the platform's: 256 on GPU/TPU, 0 on CPU) or an integer >= 0: a step "
-       "that also decodes 1 to 16 rows prefills at most this many prompt tokens in all (0: no cap), so streaming "
-       "requests are not held by a long prefill; a step with nothing or more rows decoding is not capped",
-       as_opt_int, lambda v: v is None or v >= 0),
+    _r("mixed_prefill_token_cap", 0, "an integer >= 0: a step that also decodes 1 to 16 rows prefills at most this "
+       "many prompt tokens in all (0: no cap), so streaming requests are not held by one long prefill; a step "
+       "with nothing or more rows decoding is not capped", as_int, lambda v: v >= 0),
     _r("overlap_decode", True, "True or False", _bool),
     _r("compile_threads", None, "None (one per core) or an integer >= 1", as_opt_int, lambda v: v is None or v >= 1),
     _r("compilation_cache_dir", "auto", "'auto', None or a directory path", _opt_path),
@@ -205,7 +204,7 @@ class LLMArgs:
     decode_steps_per_call: int | None = None
     single_step_max_rows: int | None = None
     long_prefill_token_threshold: int = 0
-    mixed_prefill_token_cap: int | None = None
+    mixed_prefill_token_cap: int = 0
     overlap_decode: bool = True
     compile_threads: int | None = None
     compilation_cache_dir: str | None = "auto"

@@ -36,19 +36,12 @@ class PlatformDefaults:
     # even (12.93 / 12.90 ms), but a served mix of prefills and decodes at 64 lost ~5%: 8 is what was measured
     # to win. A CPU runs the "device" work on the host's own cores, so it keeps multi-step calls.
     single_step_max_rows: int
-    # A step that also decodes a few rows (engine.scheduler.MIXED_PREFILL_MAX_DECODES) prefills at most this many
-    # prompt tokens in all (0: what the budget leaves), so prompts arriving among streaming requests are spread
-    # over several short steps rather than holding each of their next tokens for one long one. Capping each
-    # prompt instead was tried: prompts arriving together still made one long step per chunk (H100, 1024/128 at
-    # concurrency 8: ITL p99 35 ms against 9.7 with no cap). A TPU takes the GPU's value unmeasured; a CPU, whose
-    # steps cost by the token, none.
-    mixed_prefill_token_cap: int
 
 
 CPU = PlatformDefaults(max_num_seqs=16, max_num_batched_tokens=512, decode_steps_per_call=4, memory_fraction=0.5,
-                       single_step_max_rows=0, mixed_prefill_token_cap=0)
+                       single_step_max_rows=0)
 ACCELERATOR = PlatformDefaults(max_num_seqs=256, max_num_batched_tokens=4096, decode_steps_per_call=8,
-                               memory_fraction=0.85, single_step_max_rows=8, mixed_prefill_token_cap=256)
+                               memory_fraction=0.85, single_step_max_rows=8)
 FIELDS = tuple(f.name for f in dataclasses.fields(PlatformDefaults))
 
 # Mixture-of-experts models keep multi-step calls at every batch size. Each of Qwen3-30B-A3B's 48 layers ran

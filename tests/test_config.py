@@ -101,16 +101,6 @@ def test_quantized_weights_keep_multi_step_decode_on_a_gpu_only() -> None:
     assert "single_step_max_rows" not in fit_to_model(given, moe=False, quantized=True, backend="gpu")
 
 
-def test_accelerators_cap_prefill_chunks_in_steps_that_decode() -> None:
-    """A GPU/TPU spreads a prompt that arrives among decoding rows over capped steps (their inter-token gaps); a CPU,
-    whose steps cost by the token, does not."""
-    from jaxinfer.platform import fill_defaults
-
-    assert fill_defaults({"mixed_prefill_token_cap": None}, backend="gpu")["mixed_prefill_token_cap"] == 256
-    assert fill_defaults({"mixed_prefill_token_cap": None}, backend="cpu")["mixed_prefill_token_cap"] == 0
-    assert "mixed_prefill_token_cap" not in fill_defaults({"mixed_prefill_token_cap": 0}, backend="gpu")
-
-
 def test_a_quantized_kv_cache_on_a_gpu_defaults_to_32_token_pages() -> None:
     """The GPU attention kernel copies each page's scale row by TMA (a multiple of 128 bytes: 32 fp32)."""
     from jaxinfer.platform import default_page_size

@@ -53,8 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help='persistent XLA cache directory; "auto" (~/.cache/jaxinfer/xla on GPU), or "none"')
     p.add_argument("--long-prefill-token-threshold", type=int, default=0,
                    help="prefill at most this many tokens of a prompt per step (0: no limit but the step's budget)")
-    p.add_argument("--mixed-prefill-token-cap", type=int, default=None,
-                   help="prompt tokens a step that decodes 1-16 rows may prefill (default: the platform's, 256 on GPU/TPU)")
+    p.add_argument("--mixed-prefill-token-cap", type=int, default=0,
+                   help="prompt tokens a step that decodes 1-16 rows may prefill in all (0: no cap)")
     p.add_argument("--no-overlap-decode", dest="overlap_decode", action="store_false",
                    help="read every decode call back before launching the next (the engine overlaps by default)")
     p.add_argument("--grid", nargs="*", default=DEFAULT_GRID, help="INxOUT:N or sharegpt:N workloads")
