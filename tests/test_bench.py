@@ -229,6 +229,18 @@ def test_decode_mbu_survives_rows_that_decode_while_others_prefill():
     assert llm.engine_stats()["num_compiles_after_warmup"] == 0
 
 
+def test_kernel_classes_tell_the_named_pallas_kernels_apart():
+    """The Pallas GPU kernels carry kernel_name into profiles: attention kernels count as attention, the quantized
+    and grouped matmuls as matmuls (an anonymous Mosaic GPU kernel used to count as attention)."""
+    from jaxinfer.bench.measure import kernel_class
+
+    assert kernel_class("ragged_paged_attention_decode_mosaic_gpu_kernel") == "attention"
+    for name in ("quantized_matmul_mosaic_gpu_kernel", "fp8_matmul_rows", "grouped_matmul_cols", "gather_matmul_swiglu",
+                 "gemm_fusion_dot_97", "nvjet_hsh_128x256"):
+        assert kernel_class(name) == "matmul", name
+    assert kernel_class("loop_add_fusion_1") == kernel_class("anonymous_mosaic_gpu_kernel") == "other"
+
+
 def test_limit_counts_the_longest_output_as_sequential_steps():
     # One long request among short ones: its 1000 tokens take 1000 steps, each reading every weight.
     cost = ModelCost.of(load_preset("llama-3-8b"))

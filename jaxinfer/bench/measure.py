@@ -264,10 +264,17 @@ def decode_device_profile(llm: Any, cost: ModelCost, batch: int, ctx: int, copy_
     }
 
 
-KERNEL_CLASSES = (  # substrings of device event names, checked in order
-    ("attention", ("ragged", "mosaic", "attention", "paged")),
+KERNEL_CLASSES = (  # substrings of device event names, checked in order (the Pallas GPU kernels are named by
+    # kernel_name: ragged_paged_attention_*, quantized_matmul, fp8_matmul_*, grouped_matmul_*, gather_matmul_swiglu)
+    ("attention", ("ragged", "attention", "paged")),
     ("matmul", ("gemm", "cublas", "nvjet", "cutlass", "matmul", "dot")),
 )
+
+
+def kernel_class(name: str) -> str:
+    """The KERNEL_CLASSES class of a device event name, or "other"."""
+    lowered = name.lower()
+    return next((c for c, keys in KERNEL_CLASSES if any(k in lowered for k in keys)), "other")
 
 
 def device_spans(fn: Callable[[], Any]) -> tuple[str, dict[str, float]]:
@@ -319,9 +326,7 @@ def kernel_profile(fn: Callable[[], Any], calls: int, top: int = 12) -> dict[str
     total = sum(per_name.values())
     classes = dict.fromkeys([c for c, _ in KERNEL_CLASSES] + ["other"], 0.0)
     for name, ms in per_name.items():
-        lowered = name.lower()
-        cls = next((c for c, keys in KERNEL_CLASSES if any(k in lowered for k in keys)), "other")
-        classes[cls] += ms
+        classes[kernel_class(name)] += ms
     ranked = sorted(per_name.items(), key=lambda kv: -kv[1])[:top]
     return {
         "source": source,

@@ -277,6 +277,7 @@ def _cols_parts(meta, x, w, scales, splits, part_dtype, tiling, interpret):
     return plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((splits, num_items, n, tm), part_dtype),
         scratch_types=scratch, grid=(num_items, splits, n // tn), grid_names=("w", "k", "n"),
+        kernel_name="grouped_matmul_cols",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(interpret),
     )(*operands)
@@ -466,7 +467,7 @@ def _run_rows(x, w, scales, group_sizes, out_dtype, tiling, interpret):
         threads = {}
     return plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((mp, n), out_dtype), scratch_types=scratch,
-        grid=(num_items, n // tn), grid_names=("w", "n"), **threads,
+        grid=(num_items, n // tn), grid_names=("w", "n"), **threads, kernel_name="grouped_matmul_rows",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(interpret),
     )(*operands)

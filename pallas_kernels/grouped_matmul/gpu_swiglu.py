@@ -241,7 +241,7 @@ def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
         functools.partial(_kernel, t=t, interpret=bool(interpret)),
         out_type=jax.ShapeDtypeStruct((f // t.tile_f, top_k, tokens, d), jnp.float32),
         scratch_types=scratch,
-        grid=(top_k, tokens, f // t.tile_f), grid_names=("s", "t", "c"),
+        grid=(top_k, tokens, f // t.tile_f), grid_names=("s", "t", "c"), kernel_name="gather_matmul_swiglu",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(interpret),
     )(experts.astype(jnp.int32), valid, offset, x, w_gate, w_up, w_down)

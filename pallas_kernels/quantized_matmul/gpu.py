@@ -361,6 +361,7 @@ def _quantized_matmul(x: jax.Array, wq: QuantizedWeights, *, interpret: bool, k_
         out_type=jax.ShapeDtypeStruct((k_splits, n, mp), jnp.float32),
         scratch_types=scratch,
         grid=(n // _TILE_N, k_splits, mp // p.tile_m), grid_names=("n", "k", "m"),
+        kernel_name="quantized_matmul",  # profiles name it, not anonymous_mosaic_gpu_kernel
         compiler_params=plgpu.CompilerParams(
             lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,

@@ -108,7 +108,7 @@ def _run_cols(xq, w, interpret):
         functools.partial(_cols_kernel, k_steps=k_steps // splits, tile_m=tile_m, tile_k=tile_k),
         out_type=jax.ShapeDtypeStruct((splits, n, mp), jnp.float32),
         scratch_types=[plgpu.SMEM((_TILE_N_COLS, tile_m), jnp.float32)],
-        grid=(n_tiles, splits, mp // tile_m), grid_names=("n", "k", "m"),
+        grid=(n_tiles, splits, mp // tile_m), grid_names=("n", "k", "m"), kernel_name="fp8_matmul_cols",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(xq, w)
@@ -193,6 +193,7 @@ def _run_rows(xq, w, sx, sw, out_dtype, interpret, tiling=None):
                        plgpu.SMEM((2, 64), jnp.float32), plgpu.SMEM((2, t.tile_n), jnp.float32),
                        plgpu.Barrier(num_arrivals=2, num_barriers=2)],
         grid=(mp // 128, n // t.tile_n), grid_names=("m", "n"), num_threads=3, thread_name="wg",
+        kernel_name="fp8_matmul_rows",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(xq, w, sx, sw)

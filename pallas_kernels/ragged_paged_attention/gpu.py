@@ -654,6 +654,7 @@ def _prefill_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, nu
     o_tiles = plgpu.kernel(
         kernel, out_type=jax.ShapeDtypeStruct((kv_heads, _COMPUTE_WGS * max_pairs, _ROWS, head_dim), q.dtype),
         scratch_types=scratch, grid=(max_pairs, kv_heads), grid_names=("tile", "head"),
+        kernel_name="ragged_paged_attention_prefill",
         num_threads=_COMPUTE_WGS + 1, thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
@@ -764,7 +765,7 @@ def _one_warpgroup_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_le
         kv_args = (k_pages.values, v_pages.values, k_pages.scales, v_pages.scales)
     o_parts, lse_parts = plgpu.kernel(
         kernel, out_type=out_types, scratch_types=scratch,
-        **_grid(max_tiles, kv_heads, num_splits),
+        **_grid(max_tiles, kv_heads, num_splits), kernel_name="ragged_paged_attention_decode",
         # Lane semantics: the kernel places its register arrays in the WGMMA layout itself; the
         # warpgroup layout inference of 0.11.2 rejects TMA copies at data-dependent row offsets.
         compiler_params=plgpu.CompilerParams(

@@ -347,3 +347,18 @@ def test_gpu_kernel_adds_zero_points_in_the_kernel(rng, name):
     rounded_once = x.astype(jnp.float32) @ dequantize_weights(wq)[:k].astype(jnp.bfloat16).astype(jnp.float32)
     got = gpu.quantized_matmul(x, wq, zeros_in_kernel=True, **kw)
     assert _rel(got, want) < 3 * _rel(rounded_once, want) + 1e-3
+
+
+@pytest.mark.gpu
+def test_gpu_kernels_carry_their_names_into_profiles(rng):
+    """The weight-only and fp8 kernels are named (kernel_name), so the bench's kernel classes count them as
+    matmuls rather than as anonymous Mosaic GPU kernels it took for attention."""
+    from jaxinfer.bench.measure import device_spans, kernel_class
+
+    x, w = _inputs(rng, 1, 1024, 512, jnp.bfloat16)
+    wq8, wq_fp8 = _quantize(w, 8, None, False), _quantize(w, 8, None, "w8a8")
+    xs = jnp.asarray(rng.standard_normal((256, 1024), dtype=np.float32)).astype(jnp.bfloat16)
+    _, spans = device_spans(lambda: (gpu.quantized_matmul(x, wq8), quantized_matmul(xs, wq_fp8, impl="gpu")))
+    names = " ".join(spans)
+    assert "quantized_matmul" in names and "fp8_matmul" in names and "anonymous" not in names, names
+    assert {kernel_class(n) for n in spans if "quantized_matmul" in n or "fp8_matmul" in n} == {"matmul"}
