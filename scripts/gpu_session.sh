@@ -24,8 +24,8 @@
 #   bench_tp1    the run of record's command (Llama-3-8B, bf16): TP=1 figures to hold within 3% of latest.json
 #   itl_chunks   the ITL sweep (concurrency 1/4/8) under prefill chunk caps ITL_CAPS (long_prefill_token_threshold)
 #   mixed_cap    the run of record's 1000/1000 and 128/128 grids and ITL sweep (MC_PER_SLOT requests per client, 2)
-#                under each mixed-step prefill cap in MC_CAPS (mixed_prefill_token_cap; default "0 256"):
-#                $OUT/mixed_cap_<N>.json
+#                under each mixed-step prefill cap in MC_CAPS (mixed_prefill_token_cap; default "0 256"), closed loop
+#                or, with MC_RATE, Poisson arrivals of MC_RATE requests a second: $OUT/mixed_cap_<N>.json
 #   moe          Qwen3-30B-A3B shape on one GPU: decode MBU, 1000/1000, prefill MFU
 #   starts       cold then warm start of the bench's engine, each in its own process (warm_start_s)
 #   defaults     LLM("llama-3-8b") with no knobs beside the tuned engine on 1000/1000 (defaults_fraction_of_tuned)
@@ -172,7 +172,7 @@ print(f(llm.describe()))' ;;
       for cap in ${MC_CAPS:-0 256}; do
         run mixed_cap_$cap 290 python3 -m jaxinfer.cli bench --hf skip --memory-fraction 0.85 --sections grid sweep \
           --grid 1000x1000:192 128x128:256 --concurrency 1 4 8 --sweep-requests-per-slot ${MC_PER_SLOT:-2} --plot none \
-          --mixed-prefill-token-cap $cap --out "$OUT/mixed_cap_$cap.json"
+          --mixed-prefill-token-cap $cap ${MC_RATE:+--sweep-request-rate $MC_RATE} --out "$OUT/mixed_cap_$cap.json"
       done ;;
     moe)
       run moe 590 python3 -m jaxinfer.cli bench --model qwen3-30b-a3b --hf skip --memory-fraction 0.85 \

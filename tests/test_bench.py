@@ -229,6 +229,34 @@ def test_decode_mbu_survives_rows_that_decode_while_others_prefill():
     assert llm.engine_stats()["num_compiles_after_warmup"] == 0
 
 
+def test_sweep_with_a_request_rate_sends_each_request_at_its_poisson_arrival(tiny_llm_for_sweep, bench_run):
+    """--sweep-request-rate: requests arrive as a seeded Poisson process, capped at the concurrency; the run lasts
+    at least until the last arrival, and a rate of 0 or below is refused."""
+    import argparse
+
+    from jaxinfer.bench import measure
+
+    arrivals = measure.poisson_arrivals(6, 40.0, seed=3)
+    assert arrivals == sorted(arrivals) and arrivals[0] > 0 and arrivals == measure.poisson_arrivals(6, 40.0, seed=3)
+    assert measure.poisson_arrivals(3, None) == [0.0, 0.0, 0.0]
+    out = measure.serve_at_concurrency(tiny_llm_for_sweep, fixed(8, 3, 6), 2, seed=3, request_rate=40.0)
+    assert out["request_rate"] == 40.0 and out["duration_s"] >= arrivals[-1]
+    assert out["num_prompts"] == 6 and out["ttft"]["median_ms"] > 0 and not tiny_llm_for_sweep.has_unfinished()
+    assert "Poisson arrivals, 40 req/s" in report.table({**bench_run[0], "sweep": [out]})
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--sweep-request-rate", "0"])
+
+
+@pytest.fixture(scope="module")
+def tiny_llm_for_sweep():
+    from jaxinfer import LLM
+
+    return LLM(tiny_config(), random_weights=True, max_num_seqs=4, max_num_batched_tokens=16, page_size=4,
+               num_pages=64, max_model_len=32, decode_steps_per_call=2, use_tqdm=False)
+
+
 def test_kernel_classes_tell_the_named_pallas_kernels_apart():
     """The Pallas GPU kernels carry kernel_name into profiles: attention kernels count as attention, the quantized
     and grouped matmuls as matmuls (an anonymous Mosaic GPU kernel used to count as attention)."""

@@ -7,7 +7,8 @@ the GPU):
   warmup           seconds to build the engine and compile every bucket; compiles after warmup (must be 0);
   decode MBU       batch 1 and 64; prefill MFU at 4k tokens;
   offline grid     128/128, 1000/1000, 2048/2048 and a ShareGPT-like mix, each beside its workload limit;
-  sweep            closed-loop serving at concurrency 1, 8, 32, 128, 256 (TTFT, TPOT, ITL, throughput);
+  sweep            serving at concurrency 1, 8, 32, 128, 256 (TTFT, TPOT, ITL, throughput), closed loop or, with
+                   --sweep-request-rate, Poisson arrivals capped at each concurrency;
 and writes latest.json (headline keys first) and a PNG plot. On the GPU machine:
 
     PYTHONPATH=$PWD python3 -m jaxinfer.cli bench --out $OUT/latest.json
@@ -61,6 +62,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--concurrency", type=int, nargs="*", default=[1, 8, 32, 128, 256])
     p.add_argument("--sweep-workload", default="1024x128", help="INxOUT of every sweep request")
     p.add_argument("--sweep-requests-per-slot", type=int, default=2, help="requests = max(4, this x concurrency)")
+    p.add_argument("--sweep-request-rate", type=_positive_float, default=None,
+                   help="sweep requests arrive as a Poisson process of this many a second, each concurrency a cap on "
+                        "those in flight (default: closed loop, the next request as soon as one finishes)")
     p.add_argument("--decode-batches", type=int, nargs="*", default=[1, 64])
     p.add_argument("--decode-ctx", type=int, default=1024)
     p.add_argument("--decode-steps", type=int, default=64)
@@ -100,6 +104,13 @@ def _workloads(specs: list[str]) -> list[Workload]:
         name, _, n = spec.partition(":")
         out.append(parse(name, int(n) if n else 256))
     return out
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be above 0, got {text}")
+    return value
 
 
 def _max_model_len(args: argparse.Namespace, workloads: list[Workload], sweep: Workload) -> int:
@@ -275,7 +286,8 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         *[("grid", lambda w=w: offline(w)) for w in workloads],
         *([("hf_comparison", compare_hf)] if hf is not None else []),
         *[("sweep", lambda c=c: {"workload": sweep_shape.name, **measure.serve_at_concurrency(
-            llm, fixed(sweep_in, sweep_out, max(4, args.sweep_requests_per_slot * c)), c)}) for c in args.concurrency],
+            llm, fixed(sweep_in, sweep_out, max(4, args.sweep_requests_per_slot * c)), c,
+            request_rate=args.sweep_request_rate)}) for c in args.concurrency],
     ]
     for name, fn in sections:
         if args.sections is not None and name not in args.sections:

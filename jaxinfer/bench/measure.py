@@ -92,20 +92,29 @@ def _summary(values_s: Sequence[float]) -> dict[str, float]:
     return {"mean_ms": float(a.mean()), "median_ms": float(np.median(a)), "p99_ms": float(np.percentile(a, 99))}
 
 
-def serve_at_concurrency(llm: Any, workload: Workload, concurrency: int, seed: int = 0) -> dict[str, Any]:
-    """Closed-loop serving: at most `concurrency` requests in flight, a new one sent as soon as one finishes
-    (`vllm bench serve --max-concurrency C` with an infinite request rate). Times are from a request's
-    add_request to its tokens reaching the host."""
+def serve_at_concurrency(llm: Any, workload: Workload, concurrency: int, seed: int = 0,
+                         request_rate: float | None = None) -> dict[str, Any]:
+    """Serving at most `concurrency` requests at a time. With no `request_rate` the loop is closed: a new request
+    is sent as soon as one finishes (`vllm bench serve --max-concurrency C` with an infinite request rate), so
+    clients of equal lengths finish, and send again, together. With a rate the requests arrive as a Poisson
+    process of that many a second (seeded), each sent at its arrival or, while `concurrency` are in flight, when
+    one finishes (`--request-rate R --max-concurrency C`). Times are from a request's add_request to its tokens
+    reaching the host."""
     batch = prompts(workload, llm.model_config.vocab_size, seed)
+    arrivals = poisson_arrivals(workload.num_prompts, request_rate, seed)
     pending = list(range(workload.num_prompts))[::-1]
     in_flight: dict[str, int] = {}
     ttfts, tpots, itls, e2es = [], [], [], []
     before = llm.engine_stats()
     start = time.perf_counter()
     while pending or in_flight:
-        while pending and len(in_flight) < concurrency:
+        now = time.perf_counter() - start
+        while pending and len(in_flight) < concurrency and arrivals[pending[-1]] <= now:
             i = pending.pop()
             in_flight[llm.add_request(batch[i], greedy(workload.output_lens[i]))] = i
+        if not in_flight:  # nothing to run until the next request arrives
+            time.sleep(max(0.0, arrivals[pending[-1]] - now))
+            continue
         for out in llm.step():
             if not out.finished or out.request_id not in in_flight:
                 continue
@@ -120,6 +129,7 @@ def serve_at_concurrency(llm: Any, workload: Workload, concurrency: int, seed: i
     duration = time.perf_counter() - start
     return {
         "concurrency": concurrency,
+        "request_rate": request_rate,  # None: closed loop
         "num_prompts": workload.num_prompts,
         "duration_s": duration,
         "request_throughput": workload.num_prompts / duration,
@@ -131,6 +141,16 @@ def serve_at_concurrency(llm: Any, workload: Workload, concurrency: int, seed: i
         "e2e": _summary(e2es),
         **_stats_delta(llm, before),
     }
+
+
+def poisson_arrivals(n: int, rate: float | None, seed: int = 0) -> list[float]:
+    """Arrival times in seconds from the start of n requests at `rate` a second (exponential gaps, the first at
+    its gap too); all 0.0 when rate is None (every request there from the start)."""
+    if rate is None:
+        return [0.0] * n
+    if rate <= 0:
+        raise ValueError(f"request_rate must be above 0 requests a second, got {rate}.")
+    return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n)).tolist()
 
 
 def decode_mbu(llm: Any, cost: ModelCost, batch: int, ctx: int, steps: int, copy_bw: float) -> dict[str, Any]:
