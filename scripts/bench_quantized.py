@@ -30,7 +30,8 @@ it measured, and a second call with `--sections ... --out` of the same file adds
             dequantize-then-dot and the bf16 dot (where quantized_matmul switches to dequantize + dot);
   decode    engine decode at batch 1 (ctx 512, 128 steps) for bf16, int8, int4 (groups of 32), int4 in chunk
             halves (int4_halves: the storage order plain order replaced on GPUs), int4 with its zero points
-            added by the wrapper instead of inside the kernel (int4_zeros_outside), int4:128 weights, and bf16
+            added by the wrapper instead of inside the kernel (int4_zeros_outside), int8 with its activation
+            rows unpadded (int8_unpadded, gpu.UNPADDED_ROWS), int4:128 weights, and bf16
             in multi-step calls (bf16_multi_step): step time end to end and the speedup over bf16, then the
             device's time for a single step and for one iteration of the multi-step loop, with the single
             step's costliest kernels;
@@ -393,6 +394,7 @@ def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
 # other path.
 HALVES_INT4 = "int4_halves"
 ZEROS_OUTSIDE_INT4 = "int4_zeros_outside"
+UNPADDED_INT8 = "int8_unpadded"  # int8 with the activation rows handed to the kernel unpadded (gpu.UNPADDED_ROWS on)
 BF16_MULTI_STEP = "bf16_multi_step"
 
 
@@ -403,7 +405,8 @@ def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
     from jaxinfer.bench.limits import ModelCost
     from jaxinfer.bench.measure import decode_device_profile, decode_mbu
 
-    quantization = {"bf16": None, BF16_MULTI_STEP: None, HALVES_INT4: "int4", ZEROS_OUTSIDE_INT4: "int4"}.get(name, name)
+    quantization = {"bf16": None, BF16_MULTI_STEP: None, HALVES_INT4: "int4", ZEROS_OUTSIDE_INT4: "int4",
+                    UNPADDED_INT8: "int8"}.get(name, name)
     engine = dict(single_step_max_rows=0) if name == BF16_MULTI_STEP else {}
     if name == HALVES_INT4:
         from profile_decode_buckets import force_int4_pack
@@ -413,6 +416,10 @@ def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
         from pallas_kernels.quantized_matmul import gpu
 
         gpu.ZEROS_IN_KERNEL = False
+    if name == UNPADDED_INT8:
+        from pallas_kernels.quantized_matmul import gpu
+
+        gpu.UNPADDED_ROWS = True
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # warmup=False compiles only the programs batch-1 decode meets, lazily: a first pass compiles them (its
@@ -429,8 +436,8 @@ def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
 
 
 def decode_b1(s: dict[str, Any], smoke: bool, only: set[str] | None) -> dict[str, Any]:
-    names = [n for n in ("bf16", BF16_MULTI_STEP, "int8", "int4", HALVES_INT4, ZEROS_OUTSIDE_INT4, s["int4_wide"])
-             if not only or n in only]
+    names = [n for n in ("bf16", BF16_MULTI_STEP, "int8", UNPADDED_INT8, "int4", HALVES_INT4, ZEROS_OUTSIDE_INT4,
+                         s["int4_wide"]) if not only or n in only]
     rows = {name: in_child("decode", name, smoke) for name in names}
     ok = {k: v for k, v in rows.items() if "step_ms" in v}
     speedup = lambda k: ok["bf16"]["step_ms"] / ok[k]["step_ms"] if "bf16" in ok and k in ok else None
@@ -440,6 +447,7 @@ def decode_b1(s: dict[str, Any], smoke: bool, only: set[str] | None) -> dict[str
     return {"by_format": rows, "decode_b1_int8_speedup": speedup("int8"), "decode_b1_int4_speedup": speedup("int4"),
             "decode_b1_int4g128_speedup": speedup(s["int4_wide"]), "decode_b1_int4_halves_speedup": speedup(HALVES_INT4),
             "decode_b1_int4_zeros_outside_speedup": speedup(ZEROS_OUTSIDE_INT4),
+            "decode_b1_int8_unpadded_speedup": speedup(UNPADDED_INT8),
             "decode_b1_bf16_multi_step_speedup": speedup(BF16_MULTI_STEP)}
 
 

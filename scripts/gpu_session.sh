@@ -59,6 +59,8 @@
 #                multi-step loop: $OUT/trace_<format>/
 #   q_zeros      int4 zero points inside the kernel (gpu.ZEROS_IN_KERNEL) against the wrapper's term: the gpu test,
 #                one layer at M = 1, batch-1 decode: $OUT/quantized_zeros.json
+#   q_unpadded   activation rows handed to the quantized kernel unpadded (gpu.UNPADDED_ROWS): its gpu-marked test,
+#                then Llama-3-8B batch-1 decode, bf16, int8 and int8_unpadded: $OUT/quantized_unpadded.json
 #   q_kernels, q_decode, q_offline   bench_quantized.py's kernels / decode / offline sections, each adding to
 #                $OUT/quantized.json (issue 15's GPU figures; run q_kernels first, it measures the ceilings);
 #                Q_ONLY=a,b passes --only (decode formats, offline run keys)
@@ -254,6 +256,10 @@ print(f(llm.describe()))' ;;
       run q_zeros_layer 200 python3 scripts/bench_quantized.py --fresh --sections ceilings,zeros --out "$OUT/quantized_zeros.json"
       run q_zeros_decode 450 python3 scripts/bench_quantized.py --sections decode --only bf16,int4,int4_zeros_outside \
         --out "$OUT/quantized_zeros.json" ;;
+    q_unpadded)
+      run q_unpadded_test 200 python3 -m pytest -q -m gpu -k unpadded tests/pallas_kernels/test_quantized_matmul.py
+      run q_unpadded_decode 400 python3 scripts/bench_quantized.py --sections decode --only bf16,int8,int8_unpadded \
+        --out "$OUT/quantized_unpadded.json" ;;
     q_kernels)
       run q_kernels 300 python3 scripts/bench_quantized.py --fresh --sections ceilings,kernels --out "$OUT/quantized.json" ;;
     q_decode)

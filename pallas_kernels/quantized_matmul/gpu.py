@@ -71,6 +71,12 @@ _SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper block may use, leaving room 
 # batch-1 decode end to end 4.84 -> 3.95 ms a token, the multi-step iteration 4.64 -> 3.78 ms. False restores the
 # wrapper's term (bench_quantized's int4_zeros_outside decode row).
 ZEROS_IN_KERNEL = True
+# The activation rows go to the kernel as they are (M < 8 or a multiple of 8), and the TMA copy of each
+# [tile_m, tile_k] block reads past the last row (what it brings there only reaches output columns past M, which are sliced off), instead of a
+# jnp.pad to a multiple of 8 first: one XLA kernel less per product, which in the engine's batch-1 decode loop
+# (2 rows) is ~224 kernels a step, 0.21 ms of int8's 3.8 ms on an H200 (docs/PERFORMANCE.md, issue 15). Lowered
+# for CUDA and checked in interpret mode on CPU; off until a GPU has run the gpu-marked test and timed it.
+UNPADDED_ROWS = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -216,7 +222,7 @@ def _dequantized_parts(w_refs, s_smem, z_smem, p: Plan, dtype):
 
 
 def _qmm_kernel(*refs, p: Plan, k_steps_per_split):
-    # x_gmem [Mp, Kp] bf16, w_gmem [N, Kp] (int8 / e4m3 / natural int4; chunk-halves int4: [N, Kp/2] uint8),
+    # x_gmem [Mp, Kp] bf16 ([M, Kp] with unpadded_rows: the last block reads past row M), w_gmem [N, Kp] (int8 / e4m3 / natural int4; chunk-halves int4: [N, Kp/2] uint8),
     # s_gmem [G, N], z_gmem [G, N] (p.zeros only),
     # o_gmem [splits, N, Mp] f32 (transposed partial products), o_smem [64, tile_m] f32,
     # stage (interpret mode only): [64, part_k] in the activation dtype.
@@ -324,27 +330,36 @@ def _check_supported(wq: QuantizedWeights) -> None:
 
 def quantized_matmul(x: jax.Array, wq: QuantizedWeights, *, interpret: bool = False,
                      k_splits: int | None = None, tile_k: int | None = None,
-                     stages: int | None = None, zeros_in_kernel: bool | None = None) -> jax.Array:
+                     stages: int | None = None, zeros_in_kernel: bool | None = None,
+                     unpadded_rows: bool | None = None) -> jax.Array:
     """x [M, K] @ wq -> [M, N] in x.dtype (Mosaic GPU, Hopper). k_splits / tile_k / stages override
     the split-K count, the K step and the pipeline depth (the defaults above; the tiling sweeps in
-    scripts/bench_quantized.py time alternatives); zeros_in_kernel overrides ZEROS_IN_KERNEL, which is
-    read here, outside the jit, so setting it changes every product traced afterwards."""
+    scripts/bench_quantized.py time alternatives); zeros_in_kernel and unpadded_rows override ZEROS_IN_KERNEL
+    and UNPADDED_ROWS, which are read here, outside the jit, so setting them changes every product traced
+    afterwards."""
     zeros = ZEROS_IN_KERNEL if zeros_in_kernel is None else zeros_in_kernel
+    unpadded = UNPADDED_ROWS if unpadded_rows is None else unpadded_rows
     return _quantized_matmul(x, wq, interpret=interpret, k_splits=k_splits, tile_k=tile_k, stages=stages,
-                             zeros_in_kernel=bool(zeros))
+                             zeros_in_kernel=bool(zeros), unpadded_rows=bool(unpadded))
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "k_splits", "tile_k", "stages", "zeros_in_kernel"))
+@functools.partial(jax.jit, static_argnames=("interpret", "k_splits", "tile_k", "stages", "zeros_in_kernel",
+                                             "unpadded_rows"))
 def _quantized_matmul(x: jax.Array, wq: QuantizedWeights, *, interpret: bool, k_splits: int | None,
-                      tile_k: int | None, stages: int | None, zeros_in_kernel: bool) -> jax.Array:
+                      tile_k: int | None, stages: int | None, zeros_in_kernel: bool,
+                      unpadded_rows: bool) -> jax.Array:
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     _check_supported(wq)
     m, n, kp = x.shape[0], wq.out_features, wq.padded_in_features
     compute_dtype = jnp.float16 if x.dtype == jnp.float16 else jnp.bfloat16
     p = plan(wq, m, tile_k, stages, zeros_in_kernel)
-    mp = -(-(-(-m // 8) * 8) // p.tile_m) * p.tile_m
-    xp = jnp.pad(pad_activations(x, wq), ((0, mp - m), (0, 0))).astype(compute_dtype)  # [Mp, Kp]
+    mp = -(-(-(-m // 8) * 8) // p.tile_m) * p.tile_m  # the output's rows: its TMA stores need 16-byte row strides
+    xp = pad_activations(x, wq).astype(compute_dtype)  # [M, Kp]
+    # Mosaic GPU's 8-row tiling of the block takes an array of fewer than 8 rows or a multiple of 8 (decode buckets
+    # are 2, 4, 8, 16, ... rows); other row counts are padded either way.
+    if not (unpadded_rows and (m < 8 or m % 8 == 0)):
+        xp = jnp.pad(xp, ((0, mp - m), (0, 0)))  # [Mp, Kp]
     k_steps = kp // p.tile_k
     k_splits = k_splits or default_k_splits(n // _TILE_N, k_steps,
                                             _SM_COVERS_DECODE if _decode(p.tile_m) else _SM_COVERS)

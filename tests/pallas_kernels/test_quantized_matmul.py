@@ -251,6 +251,28 @@ def test_gpu_kernel_adds_zero_points_in_the_kernel_in_interpret_mode(rng, name):
     assert _rel(inside, want) < 3 * _rel(rounded_once, want) + 1e-3
 
 
+# Activation rows not padded to 8 (gpu.UNPADDED_ROWS): (m, k, n, bits, group, mode). The 2-row batch-1 decode
+# bucket, one row with a K the quantizer pads, and 136 rows (a multiple of 8; the second 128-row tile mostly past
+# M). 13 rows are padded either way (Mosaic GPU's 8-row tiling).
+UNPADDED_CASES = {"decode_2_rows_int8": (2, 512, 128, 8, None, False),
+                  "one_row_int4_zeros_padded_k": (1, 1000, 128, 4, 32, "natural_zp"),
+                  "odd_rows": (13, 512, 64, 8, None, False),
+                  "past_one_tile": (136, 256, 64, 8, 32, False)}
+
+
+@pytest.mark.parametrize("name", list(UNPADDED_CASES))
+def test_gpu_kernel_reads_unpadded_rows_in_interpret_mode(rng, name):
+    """The kernel given the M activation rows as they are (the last block's copy reads past them) gives exactly
+    the padded call's product: a row past M only reaches output columns past M."""
+    m, k, n, bits, group, mode = UNPADDED_CASES[name]
+    x, w = _inputs(rng, m, k, n, jnp.bfloat16)
+    wq = _quantize(w, bits, group, mode)
+    unpadded = gpu.quantized_matmul(x, wq, interpret=True, unpadded_rows=True)
+    padded = gpu.quantized_matmul(x, wq, interpret=True, unpadded_rows=False)
+    assert unpadded.shape == (m, n)
+    np.testing.assert_array_equal(np.asarray(unpadded, np.float32), np.asarray(padded, np.float32))
+
+
 def _has_mosaic_gpu_bindings() -> bool:
     try:
         import jax._src.lib.mosaic_gpu  # noqa: F401
@@ -303,6 +325,38 @@ def test_gpu_kernel_with_zero_points_inside_lowers_for_cuda(name):
     call = lambda x, wq: gpu.quantized_matmul(x, wq, zeros_in_kernel=True, **kw)
     lowered = jax.jit(call).trace(x, wq).lower(lowering_platforms=("cuda",)).as_text()
     assert "mosaic_gpu" in lowered
+
+
+@pytest.mark.skipif(not _has_mosaic_gpu_bindings(),
+                    reason="needs the Mosaic GPU bindings (jax-cuda13-plugin) to lower for CUDA")
+@pytest.mark.parametrize("name", [*UNPADDED_CASES, "llama_up_2_rows"])
+def test_gpu_kernel_with_unpadded_rows_lowers_for_cuda(name):
+    """Mosaic GPU takes a TMA block of more rows than the activations have (its GMEM strides stay 16-byte
+    multiples: K bf16 columns)."""
+    m, k, n, bits, group, mode = UNPADDED_CASES.get(name) or (2, 4096, 14336, 8, None, False)
+    wq = jax.eval_shape(lambda w: _quantize(w, bits, group, mode), jax.ShapeDtypeStruct((k, n), jnp.float32))
+    x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
+    call = lambda x, wq: gpu.quantized_matmul(x, wq, unpadded_rows=True)
+    lowered = jax.jit(call).trace(x, wq).lower(lowering_platforms=("cuda",)).as_text()
+    kp, m8 = wq.padded_in_features, -(-m // 8) * 8
+    tile_m = gpu.plan(wq, m).tile_m
+    mp = -(-m8 // tile_m) * tile_m  # the rows the wrapper pads to when it pads
+    assert "mosaic_gpu" in lowered and f"tensor<{m}x{kp}xbf16>" in lowered
+    assert (f"tensor<{mp}x{kp}xbf16>" in lowered) == (m % 8 != 0 and m > 8)  # only odd row counts past 8 are padded
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", [*UNPADDED_CASES, "llama_up_2_rows", "llama_down_1_row"])
+def test_gpu_kernel_reads_unpadded_rows(rng, name):
+    """gpu.UNPADDED_ROWS on the GPU: the product equals the padded call's, whatever the copy brings past row M."""
+    m, k, n, bits, group, mode = UNPADDED_CASES.get(name) or {
+        "llama_up_2_rows": (2, 4096, 14336, 8, None, False),
+        "llama_down_1_row": (1, 14336, 4096, 4, 32, "natural_zp")}[name]
+    x, w = _inputs(rng, m, k, n, jnp.bfloat16)
+    wq = _quantize(w, bits, group, mode)
+    unpadded = gpu.quantized_matmul(x, wq, unpadded_rows=True)
+    padded = gpu.quantized_matmul(x, wq, unpadded_rows=False)
+    np.testing.assert_array_equal(np.asarray(unpadded, np.float32), np.asarray(padded, np.float32))
 
 
 @pytest.mark.gpu
