@@ -29,8 +29,8 @@
 #   moe          Qwen3-30B-A3B shape on one GPU: decode MBU, 1000/1000, prefill MFU
 #   starts       cold then warm start of the bench's engine, each in its own process (warm_start_s)
 #   defaults     LLM("llama-3-8b") with no knobs beside the tuned engine on 1000/1000 (defaults_fraction_of_tuned)
-#   record       the run of record (bench_tp1 plus ITL sweep 1/4/8, 4 requests a client: with 2 the same setup's ITL
-#                ratio at 8 ranged 1.2-4.9), carrying starts.json and defaults.json
+#   record       the run of record (bench_tp1 plus ITL sweep 1/4/8, 4 requests a client: with 2, the uncapped ITL
+#                ratio at concurrency 8 has ranged 1.46-4.33 between runs), carrying starts.json and defaults.json
 #   spec_shapes  speculative decoding's verify-step cost curve, Llama-3-8B target + Llama-3.2-1B-shaped draft,
 #                k=2,4 (one call's worth); spec_k8 adds k=8 and spec_real the measured SmolLM2 run to the same
 #                JSON (bench_spec --update into docs/benchmarks/spec.json of this tree, copied to $OUT)
