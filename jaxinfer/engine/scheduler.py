@@ -158,9 +158,9 @@ def _order(seq: Sequence) -> tuple[int, float, int, int]:
 # for ~8 prompt tokens per decoded token, so 16 streaming clients need ~128 prefill tokens a step on average, half
 # of a 256-token cap; a full batch's backlog (an offline job of hundreds of prompts) needs the whole budget.
 # The cap is off by default: on an H100 (Llama-3-8B, 1024/128, clients that send their next request when the
-# last one ends) a 256-token cap raised the ITL p99 / median at concurrency 8 from 1.91 to 3.62. Such clients
-# finish together and their next prompts arrive together: uncapped, that backlog is one long step; capped, it
-# is many medium ones, and the p99 counts steps (docs/PERFORMANCE.md, issue 14).
+# last one ends) a 256-token cap raised the ITL p99 / median at concurrency 8 from 1.91 to 3.62. Likely because
+# such clients finish together and their next prompts arrive together: uncapped, that backlog is one long step;
+# capped, many medium ones, and the p99 counts steps (docs/PERFORMANCE.md, issue 14).
 MIXED_PREFILL_MAX_DECODES = 16
 
 
