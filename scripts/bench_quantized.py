@@ -396,6 +396,7 @@ HALVES_INT4 = "int4_halves"
 ZEROS_OUTSIDE_INT4 = "int4_zeros_outside"
 UNPADDED_INT8 = "int8_unpadded"  # int8 with the activation rows handed to the kernel unpadded (gpu.UNPADDED_ROWS on)
 BF16_MULTI_STEP = "bf16_multi_step"
+GPU_KERNEL_SWITCHES = {ZEROS_OUTSIDE_INT4: ("ZEROS_IN_KERNEL", False), UNPADDED_INT8: ("UNPADDED_ROWS", True)}
 
 
 def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
@@ -412,14 +413,10 @@ def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
         from profile_decode_buckets import force_int4_pack
 
         force_int4_pack(2 * 32)
-    if name == ZEROS_OUTSIDE_INT4:
+    if name in GPU_KERNEL_SWITCHES:
         from pallas_kernels.quantized_matmul import gpu
 
-        gpu.ZEROS_IN_KERNEL = False
-    if name == UNPADDED_INT8:
-        from pallas_kernels.quantized_matmul import gpu
-
-        gpu.UNPADDED_ROWS = True
+        setattr(gpu, *GPU_KERNEL_SWITCHES[name])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         # warmup=False compiles only the programs batch-1 decode meets, lazily: a first pass compiles them (its

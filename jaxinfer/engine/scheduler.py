@@ -110,8 +110,7 @@ class _PlanBuilder:
     budget_left: int
     chunks: dict[Sequence, _Chunk] = field(default_factory=dict)  # insertion order is plan order
     preempted: list[SeqKey] = field(default_factory=list)
-    decodes: int = 0  # decoding rows: each waits for the whole step, prefill chunks included
-    prefill_tokens: int = 0
+    decodes: int = 0  # decoding rows (one token each): each waits for the whole step, prefill chunks included
 
     def __contains__(self, seq: Sequence) -> bool:
         return seq in self.chunks
@@ -120,14 +119,12 @@ class _PlanBuilder:
         self.chunks[seq] = _Chunk(num_new, copies, decode)
         self.budget_left -= num_new
         self.decodes += decode
-        self.prefill_tokens += 0 if decode else num_new
 
     def drop(self, seq: Sequence) -> None:
         chunk = self.chunks.pop(seq, None)
         if chunk is not None:
             self.budget_left += chunk.num_new
             self.decodes -= chunk.decode
-            self.prefill_tokens -= 0 if chunk.decode else chunk.num_new
 
     def build(self) -> StepPlan:
         seqs: list[ScheduledSeq] = []
@@ -532,7 +529,8 @@ class Scheduler:
         """Prefill tokens this step may still take under mixed_prefill_token_cap; None when it does not apply."""
         if not self.mixed_prefill_token_cap or not 0 < builder.decodes <= self.mixed_prefill_max_decodes:
             return None
-        return max(0, self.mixed_prefill_token_cap - builder.prefill_tokens)
+        prefill_tokens = self.max_num_batched_tokens - builder.budget_left - builder.decodes
+        return max(0, self.mixed_prefill_token_cap - prefill_tokens)
 
     def _prefill_target(self, seq: Sequence) -> int:
         """How many tokens ``num_computed_tokens`` should catch up to."""

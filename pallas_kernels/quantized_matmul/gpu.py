@@ -72,8 +72,8 @@ _SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper block may use, leaving room 
 # wrapper's term (bench_quantized's int4_zeros_outside decode row).
 ZEROS_IN_KERNEL = True
 # The activation rows go to the kernel as they are (M < 8 or a multiple of 8), and the TMA copy of each
-# [tile_m, tile_k] block reads past the last row (what it brings there only reaches output columns past M, which are sliced off), instead of a
-# jnp.pad to a multiple of 8 first: one XLA kernel less per product, which in the engine's batch-1 decode loop
+# [tile_m, tile_k] block reads past the last row (what it brings there only reaches output columns past M, which
+# are sliced off), instead of a jnp.pad to a multiple of 8 first: one XLA kernel less per product, which in the engine's batch-1 decode loop
 # (2 rows) is ~224 kernels a step, 0.21 ms of int8's 3.8 ms on an H200 (docs/PERFORMANCE.md, issue 15). Lowered
 # for CUDA and checked in interpret mode on CPU; off until a GPU has run the gpu-marked test and timed it.
 UNPADDED_ROWS = False
