@@ -133,8 +133,9 @@ LLM_ARG_RULES: tuple[FieldRule, ...] = (
     _r("decode_steps_per_call", None, "None (the platform's: 8 on GPU/TPU, 4 on CPU) or an integer >= 1: decode "
        "iterations per device call", as_opt_int, lambda v: v is None or v >= 1),
     _r("single_step_max_rows", None, "None (the platform's: 8 on GPU/TPU, 0 on CPU, for MoE models and for quantized "
-       "weights on a GPU) or an integer >= 0: decode batches of at most this many rows run one iteration per call, "
-       "pipelined, so tokens stream one by one; larger ones run decode_steps_per_call iterations per call", as_opt_int,
+       "weights on a GPU) or an integer >= 0: decode batches of at most this many rows, one of them streamed, run one "
+       "iteration per call, pipelined, so tokens stream one by one; larger ones, and batches whose requests all "
+       "return only when finished (generate, batch jobs), run decode_steps_per_call iterations per call", as_opt_int,
        lambda v: v is None or v >= 0),
     _r("long_prefill_token_threshold", 0, "an integer >= 0: a prompt's prefill runs at most this many tokens in one "
        "step (0: as many as max_num_batched_tokens leaves), so a long prompt arriving while others decode holds "

@@ -29,12 +29,14 @@ class PlatformDefaults:
     max_num_batched_tokens: int
     decode_steps_per_call: int
     memory_fraction: float  # of each device's memory still free after the weights, for the KV cache
-    # Decode batches of at most this many rows run one iteration per device call, each call launched before
-    # the previous one's tokens are read (engine/pipeline.py). On an H100 (Llama-3-8B shape) that was faster
-    # than 8-iteration calls at batch 1 and 8 (7.81 / 7.31 ms per token against 8.25 / 8.83), with tokens
-    # arriving one by one (ITL p99 1.2x the median at concurrency 1, not ~3,000x). At 64 rows pure decode was
-    # even (12.93 / 12.90 ms), but a served mix of prefills and decodes at 64 lost ~5%: 8 is what was measured
-    # to win. A CPU runs the "device" work on the host's own cores, so it keeps multi-step calls.
+    # Streamed decode batches of at most this many rows run one iteration per device call, each call launched
+    # before the previous one's tokens are read (engine/pipeline.py), so tokens reach a streaming client one by
+    # one (ITL p99 1.2x the median at concurrency 1 on an H100, not ~3,000x with 8-iteration calls). At 64 rows
+    # pure decode was even (12.93 / 12.90 ms), but a served mix of prefills and decodes at 64 lost ~5%: 8 is
+    # what was measured to win. Batches that nobody streams keep multi-step calls (`Engine.decodes_singly`):
+    # since the multi-step loop lost its branches and host syncs, it runs a token faster on the device than a
+    # single step's kernels launched one by one (docs/PERFORMANCE.md, twenty-first session). A CPU runs the
+    # "device" work on the host's own cores, so it keeps multi-step calls.
     single_step_max_rows: int
 
 

@@ -32,7 +32,7 @@ it measured, and a second call with `--sections ... --out` of the same file adds
             halves (int4_halves: the storage order plain order replaced on GPUs), int4 with its zero points
             added by the wrapper instead of inside the kernel (int4_zeros_outside), int8 with its activation
             rows unpadded (int8_unpadded, gpu.UNPADDED_ROWS), int4:128 weights, and bf16
-            in multi-step calls (bf16_multi_step): step time end to end and the speedup over bf16, then the
+            with the request streamed (bf16_streamed: single steps): step time end to end and the speedup over bf16, then the
             device's time for a single step and for one iteration of the multi-step loop, with the single
             step's costliest kernels;
   offline   1000/1000 (512 prompts) with int8 weights + fp8 KV, and 128/128 (2048 prompts) with fp8 weights
@@ -389,13 +389,13 @@ def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
 
 
 # Decode formats beside the plain methods: int4 in groups of 32 stored in chunk halves (pack 64), what a GPU stored
-# before plain order; int4 with its zero points added by the wrapper (gpu.ZEROS_IN_KERNEL off); bf16 decoding
-# in multi-step calls at batch 1 (single_step_max_rows=0, what quantized models do on a GPU), the baseline's
-# other path.
+# before plain order; int4 with its zero points added by the wrapper (gpu.ZEROS_IN_KERNEL off); bf16 with its
+# request streamed, which decodes in single steps at batch 1 on a GPU where every other row (a request that
+# returns when finished, as generate's) runs multi-step calls.
 HALVES_INT4 = "int4_halves"
 ZEROS_OUTSIDE_INT4 = "int4_zeros_outside"
 UNPADDED_INT8 = "int8_unpadded"  # int8 with the activation rows handed to the kernel unpadded (gpu.UNPADDED_ROWS on)
-BF16_MULTI_STEP = "bf16_multi_step"
+BF16_STREAMED = "bf16_streamed"
 GPU_KERNEL_SWITCHES = {ZEROS_OUTSIDE_INT4: ("ZEROS_IN_KERNEL", False), UNPADDED_INT8: ("UNPADDED_ROWS", True)}
 
 
@@ -406,9 +406,8 @@ def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
     from jaxinfer.bench.limits import ModelCost
     from jaxinfer.bench.measure import decode_device_profile, decode_mbu
 
-    quantization = {"bf16": None, BF16_MULTI_STEP: None, HALVES_INT4: "int4", ZEROS_OUTSIDE_INT4: "int4",
+    quantization = {"bf16": None, BF16_STREAMED: None, HALVES_INT4: "int4", ZEROS_OUTSIDE_INT4: "int4",
                     UNPADDED_INT8: "int8"}.get(name, name)
-    engine = dict(single_step_max_rows=0) if name == BF16_MULTI_STEP else {}
     if name == HALVES_INT4:
         from profile_decode_buckets import force_int4_pack
 
@@ -421,10 +420,11 @@ def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
         warnings.simplefilter("always")
         # warmup=False compiles only the programs batch-1 decode meets, lazily: a first pass compiles them (its
         # time is not the step's), the second is timed.
-        llm = build(s, smoke, quantization=quantization, warmup=False, **engine)
+        llm = build(s, smoke, quantization=quantization, warmup=False)
         cost = ModelCost.of(llm.model_config)
         for _ in range(2):
-            r = decode_mbu(llm, cost, batch=1, ctx=s["ctx"], steps=s["steps"], copy_bw=1.0)
+            r = decode_mbu(llm, cost, batch=1, ctx=s["ctx"], steps=s["steps"], copy_bw=1.0,
+                           streamed=name == BF16_STREAMED)
         device = decode_device_profile(llm, cost, batch=1, ctx=s["ctx"], copy_bw=1.0)
     return {"step_ms": r["step_ms"], "tok_s": r["tok_s"], "weight_bytes": llm.engine_stats()["weight_bytes"],
             "device_single_step_ms": device["single_step_ms"],
@@ -433,7 +433,7 @@ def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
 
 
 def decode_b1(s: dict[str, Any], smoke: bool, only: set[str] | None) -> dict[str, Any]:
-    names = [n for n in ("bf16", BF16_MULTI_STEP, "int8", UNPADDED_INT8, "int4", HALVES_INT4, ZEROS_OUTSIDE_INT4,
+    names = [n for n in ("bf16", BF16_STREAMED, "int8", UNPADDED_INT8, "int4", HALVES_INT4, ZEROS_OUTSIDE_INT4,
                          s["int4_wide"]) if not only or n in only]
     rows = {name: in_child("decode", name, smoke) for name in names}
     ok = {k: v for k, v in rows.items() if "step_ms" in v}
@@ -445,7 +445,7 @@ def decode_b1(s: dict[str, Any], smoke: bool, only: set[str] | None) -> dict[str
             "decode_b1_int4g128_speedup": speedup(s["int4_wide"]), "decode_b1_int4_halves_speedup": speedup(HALVES_INT4),
             "decode_b1_int4_zeros_outside_speedup": speedup(ZEROS_OUTSIDE_INT4),
             "decode_b1_int8_unpadded_speedup": speedup(UNPADDED_INT8),
-            "decode_b1_bf16_multi_step_speedup": speedup(BF16_MULTI_STEP)}
+            "decode_b1_bf16_streamed_speedup": speedup(BF16_STREAMED)}
 
 
 def offline_runs(s: dict[str, Any]) -> dict[str, tuple[tuple[int, int, int], dict[str, str]]]:

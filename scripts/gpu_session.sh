@@ -74,6 +74,9 @@
 #                (overlapped), 16 engine steps each: $OUT/trace_b1.json and the raw Perfetto traces
 #   single_step  scripts/profile_single_step.py: one decoding row's single step in token buckets SS_BUCKETS (2 16)
 #                under compiler options SS_VARIANTS (engine: as the engine compiles each bucket): step, device and host launch time: $OUT/single_step.json
+#   final_vs_streamed  decode batches FS_BATCHES (1 2 4 8), 256 tokens, as generate's requests (multi-step calls) and
+#                streamed (single steps), plus device-only figures, after the pipeline and no-copy gpu tests:
+#                $OUT/final_vs_streamed.json
 #   ab_b1        batch-1 decode (end to end and device only) of .ab_old (a git worktree, carried) and this tree,
 #                alternating twice: $OUT/ab_b1.jsonl
 #   moe_b1_kernels  scripts/profile_decode_buckets.py for Qwen3-30B-A3B's batch-1 bucket: its 80 costliest kernels
@@ -161,6 +164,7 @@ print(f(llm.describe()))' ;;
     record)
       run record 590 python3 -m jaxinfer.cli bench --hf-json docs/benchmarks/hf_h100_128.json --memory-fraction 0.85 \
         --grid 1000x1000:192 128x128:256 sharegpt:128 2048x2048:32 --concurrency 1 4 8 --sweep-requests-per-slot 4 \
+        --decode-steps 256 \
         --plot none --carry $(ls docs/benchmarks/{starts,defaults,cpu}.json 2>/dev/null) --out "$OUT/latest.json" ;;
     itl_chunks)
       # Issue 14's ITL ratio at concurrency 1 / 4 / 8 (1024/128 requests) under each prefill chunk cap in ITL_CAPS
@@ -285,6 +289,13 @@ print(f(llm.describe()))' ;;
     single_step)
       run single_step 500 python3 scripts/profile_single_step.py --buckets ${SS_BUCKETS:-2 16} --variants ${SS_VARIANTS:-engine} \
         --out "$OUT/single_step.json" ;;
+    final_vs_streamed)
+      # Small decode batches that nobody streams (generate's) run multi-step calls, streamed ones single steps
+      # (Engine.decodes_singly): both timed in one engine, end to end, with the device-only figures beside them.
+      run final_vs_streamed_test 300 python3 -m pytest -q -m gpu tests/engine/test_pipeline.py tests/engine/test_no_copies.py
+      run final_vs_streamed 590 python3 -m jaxinfer.cli bench --hf skip --memory-fraction 0.85 \
+        --sections decode decode_streamed decode_device --decode-batches ${FS_BATCHES:-1 2 4 8} --decode-steps 256 \
+        --plot none --out "$OUT/final_vs_streamed.json" ;;
     ab_b1)
       run ab_b1 590 python3 scripts/ab_bench.py --trees .ab_old . --repeats 2 --out "$OUT/ab_b1.jsonl" -- \
         --hf skip --memory-fraction 0.85 --sections decode decode_device --decode-batches 1 ;;

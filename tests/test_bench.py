@@ -89,8 +89,9 @@ def bench_run(tmp_path_factory):
 
 def test_bench_writes_every_headline_key(bench_run):
     result, out = bench_run
-    keys = list(result)[:17]
-    assert keys == ["device", "decode_mbu_batch1", "decode_mbu_batch64", "prefill_mfu_4k", "offline_output_tok_s",
+    keys = list(result)[:18]
+    assert keys == ["device", "decode_mbu_batch1", "decode_mbu_batch64", "decode_mbu_batch1_streamed",
+                    "prefill_mfu_4k", "offline_output_tok_s",
                     "offline_fraction_of_limit", "ratio_vs_hf", "recompiles_after_warmup", "warmup_s",
                     "cold_start_s", "warm_start_s", "itl_p99_over_median_c1", "itl_p99_over_median_max_c1_8",
                     "defaults_fraction_of_tuned", "cpu_ratio_vs_hf_b1", "cpu_ratio_vs_hf_b32", "command"]
@@ -227,6 +228,27 @@ def test_decode_mbu_survives_rows_that_decode_while_others_prefill():
     prof = measure.decode_device_profile(llm, cost, batch=6, ctx=24, copy_bw=1e9)
     assert prof["single_step_ms"] > 0 and not llm.has_unfinished()
     assert llm.engine_stats()["num_compiles_after_warmup"] == 0
+
+
+def test_decode_mbu_times_generate_and_streamed_requests_on_their_own_paths():
+    """The decode section times requests that return when finished (generate's): a small batch of them runs
+    multi-step calls; `decode_streamed` times the same batch streamed, which steps singly where
+    `single_step_max_rows` covers it (a GPU's default, set here by hand on the CPU)."""
+    from jaxinfer import LLM
+    from jaxinfer.bench import measure
+
+    llm = LLM(tiny_config(), random_weights=True, max_num_seqs=4, max_num_batched_tokens=16, page_size=4,
+              num_pages=200, max_model_len=96, decode_steps_per_call=4, single_step_max_rows=2, use_tqdm=False)
+    cost = ModelCost.of(llm.model_config, llm.dtype)
+    final = measure.decode_mbu(llm, cost, batch=1, ctx=12, steps=12, copy_bw=1e9)
+    streamed = measure.decode_mbu(llm, cost, batch=1, ctx=12, steps=12, copy_bw=1e9, streamed=True)
+    assert not final["streamed"] and final["overlapped_calls"] > 0 and final["pipelined_steps"] == 0
+    assert streamed["streamed"] and streamed["pipelined_steps"] >= 8 and streamed["overlapped_calls"] == 0
+    assert not llm.has_unfinished() and llm.engine_stats()["num_compiles_after_warmup"] == 0
+    result = {"decode": [final], "decode_streamed": [streamed]}
+    assert report.headline(result)["decode_mbu_batch1_streamed"] == streamed["mbu"]
+    text = report.table({**result, "ceilings": {"copy_bw_gbs": 1.0, "matmul_tflops": 1.0}})
+    assert "decode batch   1 ctx 12: " in text and "decode batch   1 ctx 12, streamed: " in text
 
 
 def test_sweep_with_a_request_rate_sends_each_request_at_its_poisson_arrival(tiny_llm_for_sweep, bench_run):

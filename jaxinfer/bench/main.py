@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-parallel-size", type=int, default=1, help="MoE experts split over this many devices")
     p.add_argument("--sequence-parallel-size", type=int, default=1, help="each step's tokens split this many ways")
     p.add_argument("--sections", nargs="*", default=None,
-                   help="run only these sections (decode, decode_device, prefill, grid, hf_comparison, sweep)")
+                   help="run only these sections (decode, decode_streamed, decode_device, prefill, grid, hf_comparison, sweep)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--max-model-len", type=int, default=None, help="default: the longest request benchmarked")
@@ -279,6 +279,11 @@ def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     sections: list[tuple[str, Any]] = [
         *[("decode", lambda b=b: measure.decode_mbu(replica, cost, b, args.decode_ctx, args.decode_steps, replica_bw))
           for b in args.decode_batches],
+        # Small streamed batches decode in single steps (Engine.decodes_singly); the decode rows above are
+        # `generate`'s requests, which return only when finished: where the two differ, measure both.
+        *[("decode_streamed", lambda b=b: measure.decode_mbu(replica, cost, b, args.decode_ctx, args.decode_steps,
+                                                             replica_bw, streamed=True))
+          for b in args.decode_batches if b <= replica.engine.single_step_max_rows],
         *[("decode_device", lambda b=b: measure.decode_device_profile(replica, cost, b, args.decode_ctx, replica_bw))
           for b in args.decode_batches],
         *([("prefill", lambda: measure.prefill_mfu(replica, cost, args.prefill_tokens, replica_rate))]

@@ -14,7 +14,7 @@ import numpy as np
 
 from jaxinfer.bench.limits import ModelCost
 from jaxinfer.bench.workloads import Workload, fixed, prompts
-from jaxinfer.config import SamplingParams
+from jaxinfer.config import RequestOutputKind, SamplingParams
 
 
 def median_time(fn: Callable[[], Any], repeats: int = 10) -> float:
@@ -46,9 +46,9 @@ def matmul_rate(n: int) -> float:
     return 2 * n**3 / median_time(lambda: f(a, b))
 
 
-def greedy(max_tokens: int) -> SamplingParams:
+def greedy(max_tokens: int, output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE) -> SamplingParams:
     """Exactly max_tokens tokens, greedy: the lengths a benchmark asked for, whatever the weights say."""
-    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0, output_kind=output_kind)
 
 
 def _stats_delta(llm: Any, before: dict[str, Any]) -> dict[str, Any]:
@@ -57,6 +57,9 @@ def _stats_delta(llm: Any, before: dict[str, Any]) -> dict[str, Any]:
     return {
         "engine_steps": after["num_steps"] - before["num_steps"],
         "preemptions": after["num_preemptions"] - before["num_preemptions"],
+        # Which decode path ran: pipelined single steps, or multi-step calls launched ahead of the host.
+        "pipelined_steps": after["num_pipelined_steps"] - before["num_pipelined_steps"],
+        "overlapped_calls": after["num_overlapped_calls"] - before["num_overlapped_calls"],
         "step_time_s": phases,
     }
 
@@ -153,14 +156,19 @@ def poisson_arrivals(n: int, rate: float | None, seed: int = 0) -> list[float]:
     return np.cumsum(np.random.default_rng(seed).exponential(1.0 / rate, n)).tolist()
 
 
-def decode_mbu(llm: Any, cost: ModelCost, batch: int, ctx: int, steps: int, copy_bw: float) -> dict[str, Any]:
+def decode_mbu(llm: Any, cost: ModelCost, batch: int, ctx: int, steps: int, copy_bw: float,
+               streamed: bool = False) -> dict[str, Any]:
     """Prefill `batch` prompts of `ctx` tokens, then time the engine decoding `steps` more tokens for each.
 
     MBU = (weight bytes + KV bytes attended) per step / step time / copy bandwidth; a step is one token for
-    every sequence, whatever the number of engine calls (multi-step decode makes several per call).
+    every sequence, whatever the number of engine calls (multi-step decode makes several per call). The
+    requests return only when finished, as `LLM.generate`'s do, or with `streamed` report every token as it
+    comes (CUMULATIVE, as a streaming client's do): on a GPU small streamed batches decode in single steps
+    (`Engine.decodes_singly`), so the two differ there.
     """
     engine = llm.engine
-    states = _start_decoding(engine, prompts(fixed(ctx, steps, batch), llm.model_config.vocab_size, seed=batch))
+    states = _start_decoding(engine, prompts(fixed(ctx, steps, batch), llm.model_config.vocab_size, seed=batch),
+                             streamed)
 
     def generated() -> int:
         return sum(len(s.seqs[0].token_ids) for s in states)
@@ -184,6 +192,7 @@ def decode_mbu(llm: Any, cost: ModelCost, batch: int, ctx: int, steps: int, copy
     return {
         "batch": batch,
         "ctx": ctx,
+        "streamed": streamed,
         "step_ms": step_s * 1e3,
         "tok_s": batch / step_s,
         "bytes_per_step": cost.weight_bytes(batch) + kv_bytes,
@@ -192,12 +201,13 @@ def decode_mbu(llm: Any, cost: ModelCost, batch: int, ctx: int, steps: int, copy
     }
 
 
-def _start_decoding(engine: Any, batch: list[list[int]]) -> list[Any]:
+def _start_decoding(engine: Any, batch: list[list[int]], streamed: bool = False) -> list[Any]:
     """Queue `batch` and step until every request holds its first token; returns their states, which stay
     valid after the engine drops a request. max_tokens is far beyond what any measurement waits for (rows
     prefilled early decode while later ones prefill), so no request finishes while it is measured; the
-    caller aborts them."""
-    ids = [engine.add_request(p, greedy(engine.max_model_len - len(p))) for p in batch]
+    caller aborts them. The requests stream (CUMULATIVE outputs) or, as `generate`'s, return only when done."""
+    kind = RequestOutputKind.CUMULATIVE if streamed else RequestOutputKind.FINAL_ONLY
+    ids = [engine.add_request(p, greedy(engine.max_model_len - len(p), kind)) for p in batch]
     states = [engine.requests[rid] for rid in ids]
     while any(not s.seqs[0].token_ids for s in states):
         engine.step()

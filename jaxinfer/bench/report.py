@@ -16,6 +16,7 @@ CARRIABLE = ("cold_start_s", "warm_start_s", "defaults_fraction_of_tuned", "cpu_
 def headline(result: dict[str, Any]) -> dict[str, Any]:
     """The keys every latest.json carries at its top level (None where a section was not run)."""
     decode = {d["batch"]: d for d in result.get("decode", [])}
+    streamed = {d["batch"]: d for d in result.get("decode_streamed", [])}
     grid = {g["workload"]: g for g in result.get("grid", [])}
     main = grid.get(HEADLINE_WORKLOAD)
     hf = result.get("hf_comparison")
@@ -25,6 +26,8 @@ def headline(result: dict[str, Any]) -> dict[str, Any]:
         "device": result.get("device"),
         "decode_mbu_batch1": decode[1]["mbu"] if 1 in decode else None,
         "decode_mbu_batch64": decode[64]["mbu"] if 64 in decode else None,
+        # The same batch-1 decode with the request streamed (None where streaming does not change the path).
+        "decode_mbu_batch1_streamed": streamed[1]["mbu"] if 1 in streamed else None,
         "prefill_mfu_4k": (result.get("prefill") or {}).get("mfu") if (result.get("prefill") or {}).get("tokens") == 4096 else None,
         "offline_output_tok_s": main["output_tok_s"] if main else None,
         "offline_fraction_of_limit": main["fraction_of_limit"] if main else None,
@@ -64,9 +67,9 @@ def table(result: dict[str, Any]) -> str:
     lines = [f"device: {result.get('device')}  copy {_fmt(result['ceilings']['copy_bw_gbs'])} GB/s  "
              f"matmul {_fmt(result['ceilings']['matmul_tflops'])} TFLOP/s  warmup {_fmt(result.get('warmup_s'))} s  "
              f"recompiles {result.get('recompiles_after_warmup')}"]
-    for d in result.get("decode", []):
-        lines.append(f"decode batch {d['batch']:>3} ctx {d['ctx']}: {d['step_ms']:.2f} ms/step  {d['tok_s']:,.0f} tok/s"
-                     f"  MBU {_fmt(d['mbu'], True)}")
+    for d in [*result.get("decode", []), *result.get("decode_streamed", [])]:
+        lines.append(f"decode batch {d['batch']:>3} ctx {d['ctx']}{', streamed' if d.get('streamed') else ''}: "
+                     f"{d['step_ms']:.2f} ms/step  {d['tok_s']:,.0f} tok/s  MBU {_fmt(d['mbu'], True)}")
     for d in result.get("decode_device", []):
         lines.append(f"  device only, batch {d['batch']:>3}: single step {d['single_step_ms']:.2f} ms"
                      f" (MBU {_fmt(d['device_mbu_single'], True)}), multi-step {d['multi_step_ms_per_iteration']:.2f} ms"

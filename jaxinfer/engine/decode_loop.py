@@ -2,17 +2,17 @@
 before the last one is read back. A collaborator of `Engine` (it reads the engine's scheduler, runner and
 request states, and hands tokens to its output path); the engine decides when a plan is all decodes.
 
-Multi-step decode (`decode_steps_per_call` = N > 1): when a plan holds only decodes (one token each, no
-prefill chunk, no preemption) and more rows than `single_step_max_rows` (smaller batches run pipelined single
-steps: `Engine.decodes_singly`), the runner runs up to N decode iterations in one device call. The scheduler
-reserved pages for one token, so rows whose last page has less room get pages reserved ahead
-(`Scheduler.reserve_lookahead`, free or evictable pages only); the call runs k = min(N, room) iterations,
-where room is the least number of free positions left in any row's pages (a row that could not get pages,
-or still finishing its prompt, bounds it). The host then replays the k iterations through the ordinary
-path: `Scheduler.update` once per iteration with the plan the scheduler would have made (each still
-running row decodes its new token), so stop strings, detokenization, prefix-cache registration and LENGTH
-limits behave exactly as with N = 1. Tokens a row sampled after the host stopped it are dropped. Waiting
-requests are admitted at the next schedule(), i.e. at most k - 1 iterations later than with N = 1.
+Multi-step decode (`decode_steps_per_call` = N > 1): when a plan holds only decodes (one token each, no prefill
+chunk, no preemption) and either more rows than `single_step_max_rows` or no row that streams (smaller streamed
+batches run pipelined single steps: `Engine.decodes_singly`), the runner runs up to N decode iterations in one
+device call. The scheduler reserved pages for one token, so rows whose last page has less room get pages
+reserved ahead (`Scheduler.reserve_lookahead`, free or evictable pages only); the call runs k = min(N, room)
+iterations, where room is the least number of free positions left in any row's pages (a row that could not get
+pages, or still finishing its prompt, bounds it). The host then replays the k iterations through the ordinary
+path: `Scheduler.update` once per iteration with the plan the scheduler would have made (each still running row
+decodes its new token), so stop strings, detokenization, prefix-cache registration and LENGTH limits behave
+exactly as with N = 1. Tokens a row sampled after the host stopped it are dropped. Waiting requests are admitted
+at the next schedule(), i.e. at most k - 1 iterations later than with N = 1.
 
 Overlapped decode (`overlap_decode`, on by default): while nothing waits and the running sequences are the
 rows of the multi-step call in flight, the engine launches the call that continues it before reading it
@@ -104,7 +104,7 @@ class DecodeLoop:
         sizes above a few. Rows still finishing their prompt (a fork may share their pages) are not
         extended, and a row that cannot get pages bounds the call by its room."""
         n = self.steps_per_call
-        if n == 1 or plan.preempted or self.engine.decodes_singly(len(plan.seqs)):
+        if n == 1 or plan.preempted or self.engine.decodes_singly(len(plan.seqs), (e.key[0] for e in plan.seqs)):
             return plan, 1
         if any(e.num_new_tokens != 1 or not e.sample for e in plan.seqs):
             return plan, 1

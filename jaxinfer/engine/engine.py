@@ -17,7 +17,7 @@ import bisect
 import itertools
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent import futures
 from typing import Any
 
@@ -256,13 +256,26 @@ class Engine:
             state.fail(f"{type(e).__name__}: {e}")
         return self.out.output(state)
 
-    def decodes_singly(self, num_rows: int) -> bool:
-        """Whether a decode-only step of `num_rows` rows runs one iteration per device call (pipelined:
-        engine/pipeline.py) rather than `decode_steps_per_call`: always at 1, and up to `single_step_max_rows`
-        rows when the pipeline can launch each call ahead (jaxinfer.platform says why; speculative decoding
-        never pipelines, so its plain steps keep the multi-step loop)."""
-        return self.decode_steps_per_call == 1 or (self.pipeline.enabled and self.spec is None
-                                                   and num_rows <= self.single_step_max_rows)
+    def decodes_singly(self, num_rows: int, request_ids: Iterable[str]) -> bool:
+        """Whether a decode-only step of `num_rows` rows (those of `request_ids`) runs one iteration per device
+        call (pipelined: engine/pipeline.py) rather than `decode_steps_per_call`: always at 1, and up to
+        `single_step_max_rows` rows when the pipeline can launch each call ahead and some row streams
+        (jaxinfer.platform says why; speculative decoding never pipelines, so its plain steps keep the multi-step
+        loop).
+
+        Single steps are for streaming: each token reaches its client as it is sampled. A batch whose requests
+        all return only when finished (`RequestOutputKind.FINAL_ONLY`: `generate`, batch jobs, a server's
+        non-streamed requests) gains nothing from that, and the multi-step loop runs the same tokens faster on
+        a GPU, whose host cannot launch a single step's kernels as fast as the device runs them."""
+        if self.decode_steps_per_call == 1:
+            return True
+        if not (self.pipeline.enabled and self.spec is None and num_rows <= self.single_step_max_rows):
+            return False
+        return any(self._streamed(rid) for rid in request_ids)
+
+    def _streamed(self, request_id: str) -> bool:
+        state = self.requests.get(request_id)
+        return state is not None and state.output_kind is not RequestOutputKind.FINAL_ONLY
 
     def waiting_on_device(self) -> None:
         """This thread is about to block until the device returns (see `on_device_wait`)."""

@@ -8,8 +8,8 @@ device tokens as its input ids, and only then reads the tokens back. The host's 
 the grammar matchers, filling the next step's masks) then overlaps the next forward instead of leaving the device
 idle. This is how structured-output rows keep the device busy: each of their masks depends on the token before,
 so they cannot run multi-step decode (decode_loop.py). It serves plain decode too, at decode_steps_per_call=1
-and for decode batches of at most `single_step_max_rows` rows (`Engine.decodes_singly`: on a GPU that was at
-least as fast as multi-step calls, and it streams tokens one by one).
+and for streamed decode batches of at most `single_step_max_rows` rows (`Engine.decodes_singly`: tokens reach
+their clients one by one, where a multi-step call delivers them eight at a time).
 
 The next forward is planned from what the host knows when it launches (tokens up to the step before): each row
 decodes at the next position, with pages reserved ahead (`Scheduler.reserve_lookahead`); rows already finished,
@@ -223,7 +223,8 @@ class StepPipeline:
         if any(e.num_new_tokens != 1 or not e.sample or e.num_draft for e in plan.seqs):
             return None
         states = [engine.requests[e.key[0]] for e in plan.seqs]
-        if not engine.decodes_singly(len(plan.seqs)) and not any(s.has_grammar for s in states):
+        single = engine.decodes_singly(len(plan.seqs), (s.request_id for s in states))
+        if not single and not any(s.has_grammar for s in states):
             return None
         if any(e.start_pos < len(s.prompt_token_ids) for e, s in zip(plan.seqs, states)):
             return None  # a prompt ends in this step: a fork may share its pages (DecodeLoop.iterations)
@@ -269,7 +270,7 @@ class StepPipeline:
         engine = self.engine
         if not running:
             return False
-        return engine.decodes_singly(len(running)) or any(
+        return engine.decodes_singly(len(running), running) or any(
             state is not None and state.has_grammar for state in map(engine.requests.get, running))
 
 

@@ -231,9 +231,17 @@ def test_pipeline_on_gpu_with_the_platform_kernels() -> None:
     assert runs[True] == runs[False]
 
 
-def test_small_decode_batches_run_pipelined_single_steps_and_large_ones_multi_step_calls() -> None:
-    """`single_step_max_rows`: a decode batch of at most that many rows runs one iteration per call, pipelined;
-    a larger one runs multi-step calls. Greedy tokens equal the reference either way."""
+def streamed(engine: Engine, prompts, params) -> list:
+    """`engine.stream`'s final outputs in the order of `prompts`: the requests stream (CUMULATIVE), where
+    `generate` asks for final outputs only."""
+    finals = {o.request_id: o for o in engine.stream(prompts, params) if o.finished}
+    return [finals[rid] for rid in sorted(finals, key=lambda rid: int(rid.rsplit("-", 1)[1]))]
+
+
+def test_small_streamed_decode_batches_run_pipelined_single_steps_and_others_multi_step_calls() -> None:
+    """`single_step_max_rows`: a decode batch of at most that many rows, one of them streamed, runs one
+    iteration per call, pipelined; a larger one, or one whose requests all return only when finished
+    (`generate`), runs multi-step calls. Greedy tokens equal the reference either way."""
     def engine_with(max_rows: int) -> Engine:
         engine = Engine(shared_runner(16), None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16,
                                                               max_model_len=MAX_LEN),
@@ -243,20 +251,20 @@ def test_small_decode_batches_run_pipelined_single_steps_and_large_ones_multi_st
         return engine
 
     want = [reference_greedy(tuple(p), GREEDY.max_tokens) for p in PROMPTS]
-    for max_rows, pipelined in ((4, True), (3, False)):  # the batch is 4 rows
+    for max_rows, stream, pipelined in ((4, True, True), (3, True, False), (4, False, False)):  # 4 rows
         engine = engine_with(max_rows)
         before_calls = engine.stats()["num_overlapped_calls"]
-        outs = engine.generate(PROMPTS, GREEDY)
+        outs = streamed(engine, PROMPTS, GREEDY) if stream else engine.generate(PROMPTS, GREEDY)
         assert [o.token_ids for o in outs] == want
         stats = engine.stats()
-        assert (stats["num_pipelined_steps"] > 0) == pipelined, (max_rows, stats["num_pipelined_steps"])
-        # Multi-step calls launched ahead happen only when the batch is over the limit.
+        assert (stats["num_pipelined_steps"] > 0) == pipelined, (max_rows, stream, stats["num_pipelined_steps"])
+        # Multi-step calls launched ahead happen only when the batch is over the limit or nobody streams.
         assert (stats["num_overlapped_calls"] > before_calls) == (not pipelined), stats["num_overlapped_calls"]
         _check_clean(engine, pipelined)
-    # One row left (the others finished): a batch that small steps singly even under a low limit.
+    # One row left (the others finished): a streamed batch that small steps singly even under a low limit.
     engine = engine_with(1)
     params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (4, 4, 4, 20)]
-    outs = engine.generate(PROMPTS, params)
+    outs = streamed(engine, PROMPTS, params)
     assert [o.token_ids for o in outs] == [w[:n] for w, n in zip(
         [reference_greedy(tuple(p), 20) for p in PROMPTS], (4, 4, 4, 20))]
     assert engine.stats()["num_pipelined_steps"] > 0
@@ -289,7 +297,7 @@ def test_decode_steps_of_few_rows_run_in_small_buckets(monkeypatch) -> None:
             return _forward(self, batch, *args)
 
         monkeypatch.setattr(ModelRunner, "forward", spy)
-        runs[small] = engine.generate(PROMPTS[:1], params)
+        runs[small] = streamed(engine, PROMPTS[:1], params)
         monkeypatch.undo()
         _check_clean(engine, True)
         assert buckets[0] == 16 and set(buckets[1:]) == ({2} if small else {16}), buckets
@@ -306,6 +314,6 @@ def test_decode_steps_of_few_rows_run_in_small_buckets(monkeypatch) -> None:
     engine.warmup()
     assert engine.wait_for_background_compile()
     lengths = (3, 6, 9, 20)
-    outs = engine.generate(PROMPTS, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths])
+    outs = streamed(engine, PROMPTS, [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in lengths])
     assert [o.token_ids for o in outs] == [reference_greedy(tuple(p), n) for p, n in zip(PROMPTS, lengths)]
     _check_clean(engine, True)
