@@ -72,6 +72,8 @@
 #                (default: Llama-3-8B, batches 1 and 64): $OUT/xla_flags.jsonl
 #   trace_b1     scripts/trace_engine.py at batch 1, Llama-3-8B: pipelined single steps against the multi-step loop
 #                (overlapped), 16 engine steps each: $OUT/trace_b1.json and the raw Perfetto traces
+#   trace_multi_b1  trace_b1 for the multi-step loop alone, then batch-1 decode at 16 iterations per call:
+#                $OUT/trace_multi_b1.json, $OUT/b1_steps16.json
 #   single_step  scripts/profile_single_step.py: one decoding row's single step in token buckets SS_BUCKETS (2 16)
 #                under compiler options SS_VARIANTS (engine: as the engine compiles each bucket): step, device and host launch time: $OUT/single_step.json
 #   final_vs_streamed  decode batches FS_BATCHES (1 2 4 8), 256 tokens, as generate's requests (multi-step calls) and
@@ -286,6 +288,13 @@ print(f(llm.describe()))' ;;
     trace_b1)
       run trace_b1 400 python3 scripts/trace_engine.py --batch 1 --memory-fraction 0.85 --max-num-batched-tokens 512 \
         --single-step-max-rows 8 0 --overlap-only --calls 16 --out "$OUT/trace_b1.json" ;;
+    trace_multi_b1)
+      # Batch-1 decode in the multi-step loop only (what generate's requests run): where its ~0.2 ms a token
+      # over the device-only iteration goes; then the same decode at 16 iterations per call.
+      run trace_multi_b1 300 python3 scripts/trace_engine.py --batch 1 --memory-fraction 0.85 --max-num-batched-tokens 512 \
+        --single-step-max-rows 0 --overlap-only --calls 16 --out "$OUT/trace_multi_b1.json"
+      run b1_steps16 280 python3 -m jaxinfer.cli bench --hf skip --memory-fraction 0.85 --sections decode decode_device \
+        --decode-batches 1 --decode-steps 256 --decode-steps-per-call 16 --plot none --out "$OUT/b1_steps16.json" ;;
     single_step)
       run single_step 500 python3 scripts/profile_single_step.py --buckets ${SS_BUCKETS:-2 16} --variants ${SS_VARIANTS:-engine} \
         --out "$OUT/single_step.json" ;;

@@ -81,7 +81,9 @@ def summarize(events: list[dict], min_gap_us: float) -> dict:
 def traced_decode(llm: LLM, batch: int, ctx: int, tokens: int, out_dir: Path, label: str, min_gap_us: float,
                   calls: int) -> dict:
     engine = llm.engine
-    states = _start_decoding(engine, prompts(fixed(ctx, tokens, batch), llm.model_config.vocab_size, seed=batch))
+    # Streamed, so that single_step_max_rows decides the path (rows nobody streams always run multi-step calls).
+    states = _start_decoding(engine, prompts(fixed(ctx, tokens, batch), llm.model_config.vocab_size, seed=batch),
+                             streamed=True)
     for _ in range(2):  # into the steady state (a continuation in flight when overlapped)
         engine.step()
     with tempfile.TemporaryDirectory() as tmp:
