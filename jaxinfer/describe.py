@@ -15,6 +15,8 @@ from typing import Any
 
 import jax
 
+from jaxinfer.engine.runner import DECODE_KINDS
+
 COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
 # `%name = f32[16,64]{1,0} all-reduce(` or an async `all-reduce-start(`, tuple results included.
 _OP = re.compile(r"= (\([^)]*\)|\S+) (" + "|".join(COLLECTIVES) + r")(?:-start)?\(")
@@ -74,7 +76,7 @@ def decode_step_collectives(runner: Any) -> dict[str, dict[str, int]] | None:
     smallest single step; None before warmup."""
     if not runner._executables:
         return None
-    by_kind = sorted(runner._executables.items(), key=lambda kv: (kv[0][0] != "decode", str(kv[0][1])))
+    by_kind = sorted(runner._executables.items(), key=lambda kv: (kv[0][0] not in DECODE_KINDS, str(kv[0][1])))
     return count_collectives(by_kind[0][1].as_text())
 
 

@@ -18,6 +18,7 @@ import jax
 from jaxinfer import LLM
 from jaxinfer.bench.measure import kernel_profile
 from jaxinfer.bench.workloads import fixed, prompts
+from jaxinfer.engine.runner import DECODE_KINDS
 
 
 def time_bucket(llm: LLM, rows: int, real: int, ctx: int, steps: int, calls: int, top: int = 12) -> dict:
@@ -99,7 +100,7 @@ def main() -> None:
     if args.hlo_dir:
         for branch_free in (False, True):  # runner.takes_branch_free: the two builds of the loop (GPU)
             decodes = [exe for key, exe in llm.engine.runner._executables.items()
-                       if key[0] == "decode" and dict(key[2]).get("branch_free", False) == branch_free]
+                       if key[0] in DECODE_KINDS and dict(key[2]).get("branch_free", False) == branch_free]
             wanted = {llm.engine.decode_shape(r).seqs for r in args.rows}  # the buckets the rows asked for land in
             for rows, exe in zip(llm.engine.decode_row_buckets, decodes):  # warmup compiles them in this order
                 if rows in wanted:

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from jaxinfer.engine.batcher import MIN_TOKEN_BUCKET
-from jaxinfer.engine.runner import forward_kind, page_copy_call
+from jaxinfer.engine.runner import decode_kind, forward_kind, page_copy_call
 
 if TYPE_CHECKING:
     from jaxinfer.engine.engine import Engine
@@ -65,10 +65,11 @@ def plan(engine: Engine) -> WarmupPlan:
     if engine.decode_steps_per_call > 1 and not runs_every_step_speculatively(engine):
         for rows in engine.decode_row_buckets:
             args = (engine.penalties, *engine._decode_args(engine.decode_shape(rows), [], [], 0))
-            now.append(("decode", args, {"max_steps": engine.decode_steps_per_call}))
+            kind = decode_kind(rows)
+            now.append((kind, args, {"max_steps": engine.decode_steps_per_call}))
             if runner.branch_free_sampler:
                 (now if jax.process_count() > 1 else later).append(
-                    ("decode", args, {"max_steps": engine.decode_steps_per_call, "branch_free": True}))
+                    (kind, args, {"max_steps": engine.decode_steps_per_call, "branch_free": True}))
     now.append(page_copy_call())  # copy-on-write page copies, before any step that has some
     return WarmupPlan(now, draft, later)
 

@@ -16,6 +16,7 @@ import pytest
 
 from jaxinfer.config import CacheConfig, EngineConfig
 from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.runner import decode_kind
 from jaxinfer.models import GEMMA3, LLAMA
 from jaxinfer.params import abstract_params
 from model_helpers import build_runner, step_hlo, tiny_config
@@ -53,7 +54,8 @@ def _compiled(family, cfg, attention_impl: str, dtype=jnp.float32, single_step: 
         decode = (runner.weights, runner.kv_cache, engine.penalties,
                   *engine._decode_args(engine.decode_shape(rows), [], [], 0))
         for branch_free in (False, True):  # both builds of the loop (runner.takes_branch_free)
-            texts.append(runner._decode_steps.lower(*decode, max_steps=8, branch_free=branch_free).compile().as_text())
+            loop = runner._jitted(decode_kind(engine.decode_shape(rows).seqs))  # the program the engine runs
+            texts.append(loop.lower(*decode, max_steps=8, branch_free=branch_free).compile().as_text())
     return texts, _big_sizes(runner)
 
 
@@ -123,5 +125,6 @@ def test_forward_has_no_loop_and_decode_one_on_gpu() -> None:
     for rows in (1, 16):
         decode = (runner.weights, runner.kv_cache, engine.penalties,
                   *engine._decode_args(engine.decode_shape(rows), [], [], 0))
-        text = runner._decode_steps.lower(*decode, max_steps=8, branch_free=True).compile().as_text()
+        loop = runner._jitted(decode_kind(engine.decode_shape(rows).seqs))
+        text = loop.lower(*decode, max_steps=8, branch_free=True).compile().as_text()
         assert len(loops.findall(text)) == 1, rows

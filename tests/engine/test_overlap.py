@@ -15,6 +15,7 @@ import pytest
 
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingParams
 from jaxinfer.engine.engine import Engine
+from jaxinfer.engine.runner import DECODE_KINDS
 from jaxinfer.engine.sampling import MAX_STOP_IDS
 import model_helpers
 from model_helpers import run_to_completion
@@ -202,7 +203,7 @@ def test_decode_keeps_to_the_branching_build_until_the_background_one_is_ready(m
     dispatch = run._dispatch
 
     def recorded(kind, args, static):
-        if kind == "decode":
+        if kind in DECODE_KINDS:
             builds.append(static.get("branch_free", False))
         return dispatch(kind, args, static)
 
