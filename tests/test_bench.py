@@ -165,6 +165,12 @@ def test_bench_sweep_decode_and_prefill_are_consistent(bench_run):
         for metric in ("ttft", "tpot", "itl", "e2e"):
             assert all(math.isfinite(v) and v >= 0 for v in s[metric].values())
         assert s["ttft"]["median_ms"] <= s["e2e"]["median_ms"]
+        # The largest gaps, with the request and token they fell on (5 tokens a request: gaps before tokens 1-4).
+        worst = s["itl_worst"]
+        assert len(worst) == min(12, 4 * s["num_prompts"]) and [w["ms"] for w in worst] == sorted(
+            (w["ms"] for w in worst), reverse=True)
+        assert worst[0]["ms"] >= s["itl"]["p99_ms"] and all(1 <= w["token"] <= 4 for w in worst)
+        assert {w["request"] for w in worst} <= set(range(s["num_prompts"]))
     decode = {d["batch"]: d for d in result["decode"]}
     assert set(decode) == {1, 4} and all(d["mbu"] > 0 for d in decode.values())
     assert decode[4]["bytes_per_step"] > decode[1]["bytes_per_step"]  # more KV attended

@@ -95,6 +95,9 @@ def _summary(values_s: Sequence[float]) -> dict[str, float]:
     return {"mean_ms": float(a.mean()), "median_ms": float(np.median(a)), "p99_ms": float(np.percentile(a, 99))}
 
 
+ITL_WORST = 12  # the sweep keeps its largest inter-token gaps with where they fell: a p99 is about the 5th of 500
+
+
 def serve_at_concurrency(llm: Any, workload: Workload, concurrency: int, seed: int = 0,
                          request_rate: float | None = None) -> dict[str, Any]:
     """Serving at most `concurrency` requests at a time. With no `request_rate` the loop is closed: a new request
@@ -108,6 +111,7 @@ def serve_at_concurrency(llm: Any, workload: Workload, concurrency: int, seed: i
     pending = list(range(workload.num_prompts))[::-1]
     in_flight: dict[str, int] = {}
     ttfts, tpots, itls, e2es = [], [], [], []
+    gaps: list[tuple[float, int, int]] = []  # (seconds, request, token position of the gap's later token)
     before = llm.engine_stats()
     start = time.perf_counter()
     while pending or in_flight:
@@ -121,12 +125,14 @@ def serve_at_concurrency(llm: Any, workload: Workload, concurrency: int, seed: i
         for out in llm.step():
             if not out.finished or out.request_id not in in_flight:
                 continue
-            del in_flight[out.request_id]
+            index = in_flight.pop(out.request_id)
             m = out.metrics
             e2e = m["finished_time"] - m["arrival_time"]  # wall-clock seconds, as vLLM's RequestMetrics
             e2es.append(e2e)
             ttfts.append(m["ttft_s"])
             itls.extend(out.inter_token_latencies)
+            # Gap j is between tokens j and j + 1 (token 0 is the prefill's): where in a request the tail sits.
+            gaps.extend((g, index, j + 1) for j, g in enumerate(out.inter_token_latencies))
             if len(out.token_ids) > 1:
                 tpots.append((e2e - m["ttft_s"]) / (len(out.token_ids) - 1))
     duration = time.perf_counter() - start
@@ -141,6 +147,7 @@ def serve_at_concurrency(llm: Any, workload: Workload, concurrency: int, seed: i
         "ttft": _summary(ttfts),
         "tpot": _summary(tpots),
         "itl": _summary(itls),
+        "itl_worst": [{"ms": g * 1e3, "request": i, "token": j} for g, i, j in sorted(gaps, reverse=True)[:ITL_WORST]],
         "e2e": _summary(e2es),
         **_stats_delta(llm, before),
     }

@@ -89,6 +89,8 @@ def table(result: dict[str, Any]) -> str:
         lines.append(f"concurrency {s['concurrency']:>4}: {s['output_throughput']:>9,.0f} out tok/s  TTFT p50"
                      f" {s['ttft']['median_ms']:.0f} ms  TPOT p50 {s['tpot']['median_ms']:.1f} ms  ITL p99"
                      f" {s['itl']['p99_ms']:.1f} ms"
+                     + (f" (worst gaps before tokens {', '.join(str(w['token']) for w in s['itl_worst'][:5])})"
+                        if s.get("itl_worst") else "")
                      + (f"  (Poisson arrivals, {s['request_rate']:g} req/s)" if s.get("request_rate") else ""))
     hf = result.get("hf_comparison")
     if hf:
