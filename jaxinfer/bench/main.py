@@ -41,7 +41,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--expert-parallel-size", type=int, default=1, help="MoE experts split over this many devices")
     p.add_argument("--sequence-parallel-size", type=int, default=1, help="each step's tokens split this many ways")
     p.add_argument("--sections", nargs="*", default=None,
-                   help="run only these sections (decode, decode_streamed, decode_device, prefill, grid, hf_comparison, sweep)")
+                   help="run only these sections (decode, decode_streamed, decode_device, prefill, grid, "
+                        "hf_comparison, sweep)")
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-num-batched-tokens", type=int, default=4096)
     p.add_argument("--max-model-len", type=int, default=None, help="default: the longest request benchmarked")
