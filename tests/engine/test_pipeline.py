@@ -270,6 +270,37 @@ def test_small_streamed_decode_batches_run_pipelined_single_steps_and_others_mul
     assert engine.stats()["num_pipelined_steps"] > 0
 
 
+def test_one_streamed_row_keeps_a_small_batch_in_single_steps() -> None:
+    """A batch that mixes a streamed request with ones that return only when finished steps singly (the streamed
+    row's tokens arrive one by one); once the streamed request is done, the rest go back to multi-step calls."""
+    from jaxinfer.validation import RequestOutputKind
+
+    engine = Engine(shared_runner(16), None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16,
+                                                          max_model_len=MAX_LEN),
+                    CacheConfig(page_size=16), use_tqdm=False, decode_steps_per_call=4, single_step_max_rows=4)
+    engine.warmup()
+    lengths = (6, 20, 20)  # the streamed request is the short one
+    kinds = (RequestOutputKind.CUMULATIVE, RequestOutputKind.FINAL_ONLY, RequestOutputKind.FINAL_ONLY)
+    ids = [engine.add_request(p, SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, output_kind=k))
+           for p, n, k in zip(PROMPTS, lengths, kinds)]
+    finals, partials, at_stream_end = {}, 0, None
+    while engine.has_unfinished():
+        for out in engine.step():
+            partials += out.request_id == ids[0] and not out.finished
+            if out.finished:
+                finals[out.request_id] = out
+                at_stream_end = at_stream_end or (engine.stats() if out.request_id == ids[0] else None)
+    engine.flush()
+    assert [finals[i].token_ids for i in ids] == [reference_greedy(tuple(p), n) for p, n in zip(PROMPTS, lengths)]
+    assert partials >= 3  # the streamed request reported its tokens as they came
+    stats = engine.stats()
+    # Single steps while the streamed row ran (at most one more, launched ahead as it finished), then multi-step.
+    assert at_stream_end["num_pipelined_steps"] > 0 and at_stream_end["num_overlapped_calls"] == 0
+    assert stats["num_pipelined_steps"] <= at_stream_end["num_pipelined_steps"] + 1
+    assert stats["num_overlapped_calls"] > 0 and stats["num_compiles_after_warmup"] == 0
+    assert_all_pages_free(engine)
+
+
 def test_decode_steps_of_few_rows_run_in_small_buckets(monkeypatch) -> None:
     """Where decode batches of a few rows step singly (`single_step_max_rows` >= 1: GPUs and TPUs), a decode-only
     step runs in the smallest of `small_step_buckets` that holds its rows (2 for one row), once warmup's
