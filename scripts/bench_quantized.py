@@ -31,8 +31,8 @@ it measured, and a second call with `--sections ... --out` of the same file adds
   decode    engine decode at batch 1 (ctx 512, 128 steps) for bf16, int8, int4 (groups of 32), int4 in chunk
             halves (int4_halves: the storage order plain order replaced on GPUs), int4 with its zero points
             added by the wrapper instead of inside the kernel (int4_zeros_outside), int8 with its activation
-            rows unpadded (int8_unpadded, gpu.UNPADDED_ROWS), int4:128 weights, and bf16
-            with the request streamed (bf16_streamed: single steps): step time end to end and the speedup over bf16, then the
+            rows unpadded (int8_unpadded, gpu.UNPADDED_ROWS), int4:128 weights, and bf16 with the request
+            streamed (bf16_streamed: single steps): step time end to end and the speedup over bf16, then the
             device's time for a single step and for one iteration of the multi-step loop, with the single
             step's costliest kernels;
   offline   1000/1000 (512 prompts) with int8 weights + fp8 KV, and 128/128 (2048 prompts) with fp8 weights
@@ -390,8 +390,8 @@ def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
 
 # Decode formats beside the plain methods: int4 in groups of 32 stored in chunk halves (pack 64), what a GPU stored
 # before plain order; int4 with its zero points added by the wrapper (gpu.ZEROS_IN_KERNEL off); bf16 with its
-# request streamed, which decodes in single steps at batch 1 on a GPU where every other row (a request that
-# returns when finished, as generate's) runs multi-step calls.
+# request streamed, which a GPU decodes in single steps at batch 1 (the other rows time requests that return when
+# finished, as generate's do, and run multi-step calls).
 HALVES_INT4 = "int4_halves"
 ZEROS_OUTSIDE_INT4 = "int4_zeros_outside"
 UNPADDED_INT8 = "int8_unpadded"  # int8 with the activation rows handed to the kernel unpadded (gpu.UNPADDED_ROWS on)
