@@ -221,17 +221,12 @@ class ModelRunner(CompiledPrograms):
         # iteration, and the host then launched the rest of the iteration (a CUDA graph) onto an idle GPU. On an
         # H100, same lease: one iteration 6.2 instead of 7.2 ms at batch 1 (Llama-3-8B) and 6.6 instead of 7.4 ms
         # (Qwen3-30B-A3B); a batch-64 step 12.4 instead of 13.6 ms end to end (docs/PERFORMANCE.md).
-        self._decode_steps = jax.jit(
-            functools.partial(self._decode_steps_impl, attn_fn=attn_fn),
-            donate_argnums=(1, 2),
-            static_argnames=("max_steps", "branch_free"),
-        )
-        self._small_decode_steps = jax.jit(
-            functools.partial(self._decode_steps_impl, attn_fn=attn_fn),
-            donate_argnums=(1, 2),
-            static_argnames=("max_steps", "branch_free"),
-            compiler_options=MERGED_DOTS,
-        )
+        def decode_loop(options: dict[str, Any] | None) -> Any:
+            return jax.jit(functools.partial(self._decode_steps_impl, attn_fn=attn_fn), donate_argnums=(1, 2),
+                           static_argnames=("max_steps", "branch_free"), compiler_options=options)
+
+        # Loops of a few rows also merge their dots (MERGED_DOTS, `decode_kind`).
+        self._decode_steps, self._small_decode_steps = decode_loop(None), decode_loop(MERGED_DOTS)
         self._verify_step = jax.jit(
             functools.partial(self._verify_step_impl, attn_fn=attn_fn), donate_argnums=(1, 2)
         )

@@ -73,9 +73,9 @@ _SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper block may use, leaving room 
 ZEROS_IN_KERNEL = True
 # The activation rows go to the kernel as they are (M < 8 or a multiple of 8), and the TMA copy of each
 # [tile_m, tile_k] block reads past the last row (what it brings there only reaches output columns past M, which
-# are sliced off), instead of a jnp.pad to a multiple of 8 first: one XLA kernel less per product, which in the engine's batch-1 decode loop
-# (2 rows) is ~224 kernels a step, 0.21 ms of int8's 3.8 ms on an H200 (docs/PERFORMANCE.md, issue 15). Lowered
-# for CUDA and checked in interpret mode on CPU; off until a GPU has run the gpu-marked test and timed it.
+# are sliced off), instead of a jnp.pad to a multiple of 8 first. Exact in interpret mode and on an H200 (its
+# gpu-marked tests pass), but no faster there: int8's batch-1 loop iteration took 3.812 ms against 3.814 with the
+# pad (docs/PERFORMANCE.md, issue 15), so it stays off.
 UNPADDED_ROWS = False
 
 
@@ -222,7 +222,8 @@ def _dequantized_parts(w_refs, s_smem, z_smem, p: Plan, dtype):
 
 
 def _qmm_kernel(*refs, p: Plan, k_steps_per_split):
-    # x_gmem [Mp, Kp] bf16 ([M, Kp] with unpadded_rows: the last block reads past row M), w_gmem [N, Kp] (int8 / e4m3 / natural int4; chunk-halves int4: [N, Kp/2] uint8),
+    # x_gmem [Mp, Kp] bf16 ([M, Kp] with unpadded_rows: the last block reads past row M),
+    # w_gmem [N, Kp] (int8 / e4m3 / natural int4; chunk-halves int4: [N, Kp/2] uint8),
     # s_gmem [G, N], z_gmem [G, N] (p.zeros only),
     # o_gmem [splits, N, Mp] f32 (transposed partial products), o_smem [64, tile_m] f32,
     # stage (interpret mode only): [64, part_k] in the activation dtype.
