@@ -20,8 +20,8 @@ Work decomposition (docs/KERNELS.md has the reasoning and the measured numbers):
   to `[T, N, H]` and, with splits > 1, merges the splits by their log-sum-exp (flash-decoding).
   Splits are used only when the tiles alone cannot fill the GPU (few sequences, long contexts).
 * KV is streamed in blocks of `Bk = max(64, R)` positions, one TMA copy per page
-  (`k_pages[page, :, kv_head, :]`, a strided `[R, H]` box), 2-3 stages deep in shared memory
-  (`default_stages`), so the copies of the next blocks are in flight while the tensor cores work
+  (`k_pages[page, :, kv_head, :]`, a strided `[R, H]` box), 2 stages deep in shared memory
+  (`_STAGES`: two CTAs per SM), so the copies of the next blocks are in flight while the tensor cores work
   on this one. The page ids of a block are loaded from the page table one step before its copies
   are issued and carried through the loop, so the global-memory latency of that load is not on
   every step's critical path.
@@ -69,7 +69,13 @@ HEAD_DIMS = (64, 80, 96, 128, 192, 256)
 QUANTIZED_KV_DTYPES = (jnp.dtype(jnp.int8), jnp.dtype(jnp.float8_e4m3fn))
 _MAX_BLOCK_KV = 128  # kv positions per step: the [64, Bk] f32 logits live in registers
 _SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper block may use, leaving room for barriers
-_STAGES = 3  # kv pipeline depth for decode-like batches (default_stages)
+# KV pipeline depth. At 2 stages a CTA holds q [64, H] + 2 x (K + V) [64, H] blocks (80 KB at H = 128), so two
+# CTAs share an SM; at 3 (~113 KB) only one does. One warpgroup waits on a block, then does its math: a second
+# resident CTA runs its math in the first's waits, which a deeper pipeline cannot do. H200, 16-token pages
+# (scripts/attention_access_ceiling.py, docs/KERNELS.md): decode 64 x 4k 274 us at 2 stages against 330 at 3
+# (93% of the copy rate against 77%), 192 x 1.5k 340 against 401 us, 4k prefill 514 against 694 us; an int8 /
+# fp8 cache (32-token pages, two bf16 staging tiles more) 362 / 340 us against 369 / 357.
+_STAGES = 2
 _NUM_SMS = 132  # H100 / H200 SXM
 _LOG2E = math.log2(math.e)
 _MASK_VALUE = -1e30
@@ -512,25 +518,9 @@ def _grid(num_tiles: int, kv_heads: int, num_splits: int) -> dict:
     return dict(grid=tuple(n for _, n in axes), grid_names=tuple(a for a, _ in axes))
 
 
-def default_stages(head_dim: int, num_tokens: int, num_slots: int) -> int:
-    """KV pipeline depth. Shared memory per CTA is q [64, H] + stages x (K + V) [Bk, H] blocks:
-    H > 128 fits only 2 stages. At H <= 128, 3 stages (~113 KB) leave room for one CTA per SM and
-    2 stages (80 KB) for two; batches that are mostly prefill (many 64-row tiles of short kv walks,
-    compute-bound) gain more from a second resident CTA overlapping its math with the first's waits
-    (H200: 4k prefill 514 us at 2 stages vs 694 us at 3), decode from the deeper pipeline (64 x 4k,
-    R=16: 448 us at 3 vs 488 us at 2; docs/KERNELS.md)."""
-    if head_dim > 128:
-        return 2
-    mostly_prefill = num_tokens >= 4 * num_slots
-    return 2 if mostly_prefill else _STAGES
-
-
-def _fit_stages(stages: int, head_dim: int, block_kv: int, itemsize: int, kv_itemsize: int | None = None) -> int:
-    """The pipeline depth lowered to what fits the shared-memory budget (never below 2; the
-    supported-config check guarantees 2 fit). Today's shapes (Bk = 64) always fit their default."""
-    while stages > 2 and smem_bytes(head_dim, block_kv, stages, itemsize, kv_itemsize) > _SMEM_BUDGET:
-        stages -= 1
-    return stages
+def default_block_kv(page_size: int) -> int:
+    """KV positions per step: 64 (wgmma N for QK^T), or one page when pages are larger."""
+    return max(64, page_size)
 
 
 def default_num_splits(num_tiles: int, kv_heads: int, max_kv_blocks: int) -> int:
@@ -608,7 +598,7 @@ def _gather_rows(o_tiles, cu_q_lens, num_seqs, tile_base, num_tokens, group):
 def takes_prefill_kernel(num_tokens: int, num_slots: int, num_heads: int, kv_heads: int, head_dim: int,
                          quantized: bool) -> bool:
     """Whether a call runs `_prefill_kernel` by default: a 16-bit cache, H <= 128, a batch that is mostly
-    prefill (as for `default_stages`) and whose 128-row pair tiles alone cover every SM twice (so it needs no
+    prefill (T >= 4 S: many 64-row tiles of short kv walks) and whose 128-row pair tiles alone cover every SM twice (so it needs no
     flash-decoding splits). Decode-like batches keep the one-warpgroup kernel and its splits."""
     if quantized or head_dim > _PREFILL_MAX_HEAD_DIM or num_tokens < 4 * num_slots:
         return False
@@ -664,7 +654,7 @@ def _prefill_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, nu
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale", "num_splits", "stages",
+    "sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale", "num_splits", "stages", "block_kv",
     "warp_specialized", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
@@ -682,21 +672,22 @@ def ragged_paged_attention(
     v_scale: float | None = None,
     num_splits: int | None = None,
     stages: int | None = None,
+    block_kv: int | None = None,
     warp_specialized: bool | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Mosaic GPU ragged paged attention with the reference's semantics; returns [T, N, H].
 
-    num_splits / stages override the flash-decoding split count and the kv pipeline depth
-    (default_stages) of the one-warpgroup kernel. `warp_specialized` picks the prefill kernel (True) or the
-    one-warpgroup kernel (False); None: `takes_prefill_kernel` decides.
+    num_splits / stages / block_kv override the flash-decoding split count, the kv pipeline depth (_STAGES)
+    and the kv positions per step (default_block_kv) of the one-warpgroup kernel. `warp_specialized` picks the
+    prefill kernel (True) or the one-warpgroup kernel (False); None: `takes_prefill_kernel` decides.
     """
     num_tokens, num_heads, head_dim = q.shape
     kv_heads = k_pages.shape[2]
     quantized = isinstance(k_pages, QuantizedPages)
     _check_supported(q, k_pages)
     if warp_specialized is None:
-        warp_specialized = num_splits is None and stages is None and takes_prefill_kernel(
+        warp_specialized = num_splits is None and stages is None and block_kv is None and takes_prefill_kernel(
             num_tokens, page_indices.shape[0], num_heads, kv_heads, head_dim, quantized)
     if warp_specialized and (quantized or head_dim > _PREFILL_MAX_HEAD_DIM):
         raise NotImplementedError(
@@ -708,7 +699,8 @@ def ragged_paged_attention(
     if warp_specialized:
         o_tiles, tile_base = _prefill_attention(*args, **knobs)
     else:
-        o_tiles, tile_base = _one_warpgroup_attention(*args, **knobs, num_splits=num_splits, stages=stages)
+        o_tiles, tile_base = _one_warpgroup_attention(*args, **knobs, num_splits=num_splits, stages=stages,
+                                                        block_kv=block_kv)
     out = _gather_rows(o_tiles, cu_q_lens, num_seqs, tile_base, num_tokens, num_heads // kv_heads)
     if v_scale is not None:
         out = out.astype(jnp.float32) * v_scale
@@ -716,7 +708,7 @@ def ragged_paged_attention(
 
 
 def _one_warpgroup_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                             sliding_window, soft_cap, interpret, num_splits, stages):
+                             sliding_window, soft_cap, interpret, num_splits, stages, block_kv):
     """`_attention_kernel` over the call's 64-row tiles, splits merged: [K, W, 64, H] output tiles and the
     sequences' first tiles."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -727,7 +719,10 @@ def _one_warpgroup_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_le
     num_slots, max_pages = page_indices.shape
     group = num_heads // kv_heads
     tokens_per_tile, _ = tile_rows(group)
-    block_kv = max(64, page_size)
+    block_kv = block_kv or default_block_kv(page_size)
+    if block_kv % page_size or block_kv % 64 or block_kv > _MAX_BLOCK_KV:  # 64: PV's wgmma K step
+        raise ValueError(f"block_kv {block_kv} must be a multiple of the page size {page_size} and of 64, "
+                         f"at most {_MAX_BLOCK_KV}")
     max_tiles = num_tokens // tokens_per_tile + num_slots
     max_kv_blocks = -(-max_pages * page_size // block_kv)
     num_splits = num_splits or default_num_splits(max_tiles, kv_heads, max_kv_blocks)
@@ -743,9 +738,7 @@ def _one_warpgroup_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_le
         jax.ShapeDtypeStruct((num_splits, kv_heads, max_tiles, _ROWS, head_dim), q.dtype),
         jax.ShapeDtypeStruct((num_splits, kv_heads, max_tiles, _ROWS), jnp.float32),
     )
-    kv_itemsize = jnp.dtype(k_pages.dtype).itemsize
-    stages = stages or _fit_stages(default_stages(head_dim, num_tokens, num_slots), head_dim,
-                                   block_kv, q.dtype.itemsize, kv_itemsize)
+    stages = stages or _STAGES
     kvt = _smem_transforms(k_pages.dtype, head_dim)  # 8-bit codes: the swizzle of an H-byte row
     copies = (block_kv // page_size) * (2 if quantized else 1)  # per stage and side: pages (+ their scales)
     scratch = [
@@ -828,7 +821,7 @@ def _check_supported(q, k_pages) -> None:
     if page_size % 8 or (page_size < 64 and 64 % page_size) or (
             page_size > 64 and (page_size % 64 or page_size > _MAX_BLOCK_KV)):
         raise NotImplementedError(f"page size must be 8, 16, 32, 64 or 128, got {page_size}")
-    block_kv = max(64, page_size)
+    block_kv = default_block_kv(page_size)
     need = smem_bytes(head_dim, block_kv, 2, q.dtype.itemsize, jnp.dtype(k_pages.dtype).itemsize)
     if need > _SMEM_BUDGET:
         raise NotImplementedError(

@@ -240,12 +240,12 @@ def test_gpu_swizzle_and_shared_memory_of_every_head_dim():
             if not gpu.supported_config(q, jax.ShapeDtypeStruct((9, r, 2, h), jnp.bfloat16)):
                 assert r == 128 and h > 128  # [128, H] K and V blocks at H > 128: 288+ KB
                 continue
-            for tokens, slots in ((64, 64), (4096, 1)):  # decode-like (3 stages), prefill (2)
-                bk = max(64, r)
-                stages = gpu._fit_stages(gpu.default_stages(h, tokens, slots), h, bk, 2)
-                assert gpu.smem_bytes(h, bk, stages) <= gpu._SMEM_BUDGET
-    # Today's shapes keep their depth: 3 stages at H <= 128 for decode, 2 above.
-    assert gpu._fit_stages(3, 128, 64, 2) == 3 and gpu._fit_stages(2, 256, 64, 2) == 2
+            bk = gpu.default_block_kv(r)
+            for kv_itemsize in (2, 1):
+                assert gpu.smem_bytes(h, bk, gpu._STAGES, 2, kv_itemsize) <= gpu._SMEM_BUDGET
+    # The default depth leaves room for two CTAs per SM (docs/KERNELS.md) at 16-bit and 8-bit caches.
+    for kv_itemsize in (2, 1):
+        assert 2 * gpu.smem_bytes(128, 64, gpu._STAGES, 2, kv_itemsize) <= gpu._SMEM_BUDGET
 
 
 def test_gpu_supported_config_takes_every_group_and_head_dim():
@@ -346,34 +346,43 @@ def test_auto_on_cpu_runs_the_reference_without_a_warning(rng):
 # registers) are the GPU tests' job.
 INTERPRET_CASES = {
     "g3_h80_ragged_mixed": (Case(((5, 5), (11, 30), (1, 7), (3, 17)), num_heads=6, kv_heads=2,
-                                 head_dim=80), None),
+                                 head_dim=80), {}),
     "g5_h96_window_softcap": (Case(((7, 30), (1, 9), (12, 12)), num_heads=5, kv_heads=1,
-                                   head_dim=96, sliding_window=5, soft_cap=30.0), None),
+                                   head_dim=96, sliding_window=5, soft_cap=30.0), {}),
     "g6_h64_pages16_split": (Case(((17, 40), (1, 48)), num_heads=12, kv_heads=2, page_size=16,
-                                  max_pages=3), 2),
+                                  max_pages=3), dict(num_splits=2)),
     "g12_h128_padding": (Case(((2, 5), (1, 24), (9, 9)), num_heads=12, kv_heads=1, head_dim=128,
-                              pad_tokens=5, pad_seqs=2), None),
+                              pad_tokens=5, pad_seqs=2), {}),
     "g16_h80_decode_split": (Case(((1, 1), (1, 8), (1, 17), (1, 40)), num_heads=16, kv_heads=1,
-                                  head_dim=80), 3),
+                                  head_dim=80), dict(num_splits=3)),
     "g4_h64_pages128": (Case(((3, 150), (1, 20)), num_heads=4, kv_heads=1, page_size=128,
-                             max_pages=2), None),
+                             max_pages=2), {}),
+    # 128 kv positions a step over 16-token pages (eight page copies per block), three stages deep.
+    "g4_h64_block128_stages3": (Case(((2, 150), (1, 300)), num_heads=4, kv_heads=1, page_size=16,
+                                     max_pages=20), dict(block_kv=128, stages=3)),
 }
 
 
 @pytest.mark.parametrize("name", list(INTERPRET_CASES))
 def test_gpu_kernel_in_interpret_mode_matches_reference(rng, name):
-    case, num_splits = INTERPRET_CASES[name]
+    case, knobs = INTERPRET_CASES[name]
     case = dataclasses.replace(case, dtype=jnp.bfloat16)
     batch, kwargs = _build(rng, case)
     from pallas_kernels.ragged_paged_attention import gpu
-    out = gpu.ragged_paged_attention(*batch.args(), **kwargs, num_splits=num_splits,
-                                     interpret=True)
+    out = gpu.ragged_paged_attention(*batch.args(), **kwargs, **knobs, interpret=True)
     want = reference.ragged_paged_attention(*batch.args(), **kwargs)
     real = batch.num_real_tokens
     assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
     assert relative_error(out[:real], want[:real].astype(jnp.float32)) < 2e-2
     assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
     assert not np.asarray(out[real:].astype(jnp.float32)).any()
+
+
+def test_gpu_kernel_refuses_a_block_that_is_not_whole_pages_of_64_positions(rng):
+    batch, kwargs = _build(rng, dataclasses.replace(INTERPRET_CASES["g4_h64_pages128"][0], dtype=jnp.bfloat16))
+    from pallas_kernels.ragged_paged_attention import gpu
+    with pytest.raises(ValueError, match="block_kv 64 must be a multiple of the page size 128"):
+        gpu.ragged_paged_attention(*batch.args(), **kwargs, block_kv=64, interpret=True)
 
 
 # The warp-specialized prefill kernel (gpu._prefill_kernel: two compute warpgroups and a memory warpgroup, kv
