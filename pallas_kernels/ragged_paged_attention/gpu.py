@@ -53,6 +53,7 @@ GPU-only modules are imported inside the functions so this file imports on CPU.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -114,6 +115,27 @@ def tile_rows(group: int) -> tuple[int, int]:
     """(tokens per tile Bt = 64 // G, rows that hold a query G * Bt); rows past G * Bt are padding."""
     tokens = _ROWS // group
     return tokens, tokens * group
+
+
+@dataclasses.dataclass(frozen=True)
+class TileLayout:
+    """How one call of the one-warpgroup kernel lays its queries into 64-row wgmma tiles."""
+    tokens: int  # Bt: consecutive new tokens of one sequence per tile
+    used_rows: int  # rows that hold a query (G * Bt); the rest of the 64 are masked
+    stored_rows: int  # rows of each tile in the q and output arrays; the shared-memory tile always has 64
+
+
+def tile_layout(group: int, num_tokens: int, num_slots: int) -> TileLayout:
+    """The tile layout of a call. A decode-like batch (no more tokens than sequence slots) gets one token per
+    tile: its G query heads are the tile's first rows, and the q and output arrays keep only those rows,
+    rounded up to 8 (the tiling of a swizzled TMA copy). With 16 tokens a tile, a decode token used 4 of 64
+    rows at G = 4, yet the call wrote and read all 64 of every tile: at 192 sequences, ~27 MB of q tiles and
+    as much output per layer (docs/KERNELS.md). Any batch is correct either way, since a sequence with
+    several tokens takes one tile per token; a batch with more tokens than slots keeps Bt = 64 // G."""
+    if num_tokens <= num_slots:
+        return TileLayout(1, group, -(-group // 8) * 8)
+    tokens, used = tile_rows(group)
+    return TileLayout(tokens, used, _ROWS)
 
 
 def _split_range(kb_lo, kb_hi, split, num_splits):
@@ -191,7 +213,7 @@ def _column_scales(scales_smem, shape):
 def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  # int32 metadata
                       q_ref,  # [W, K, 64, H] gmem, tile-major (see the module docstring)
                       k_ref, v_ref,  # [P, R, K, H] gmem (codes, with a quantized cache)
-                      *refs, sm_scale, sliding_window, soft_cap, group, max_pages, num_splits,
+                      *refs, sm_scale, sliding_window, soft_cap, layout, max_pages, num_splits,
                       interpret, quantized):
     # refs: [ks_ref, vs_ref ([P, K, R] f32 gmem), quantized only,]
     #   o_ref [splits, K, W, 64, H] gmem, lse_ref [splits, K, W, 64] f32 gmem,
@@ -208,7 +230,10 @@ def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  #
         scales = (ks_ref, vs_ref, ks_smem, vs_smem)
     o_ref, lse_ref, q_smem, k_smem, v_smem, lse_smem, q_barrier, k_barriers, v_barriers = refs
 
-    tokens_per_tile, used_rows = tile_rows(group)
+    tokens_per_tile, used_rows = layout.tokens, layout.used_rows
+    # The tile's stored rows (all 64, or a decode tile's first G rounded to 8); the rest of q_smem is never
+    # written, and masked like every row past used_rows.
+    q_rows = q_smem if layout.stored_rows == _ROWS else q_smem.at[pl.ds(0, layout.stored_rows)]
     stages, block_kv, head_dim = k_smem.shape
     pages_per_block = block_kv // k_ref.shape[1]
     w, head, split = (jax.lax.axis_index(a) for a in ("tile", "head", "split"))
@@ -217,7 +242,7 @@ def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  #
     kb_lo, kb_hi = _split_range(kb_lo, kb_hi, split, num_splits)
     steps = kb_hi - kb_lo
 
-    plgpu.copy_gmem_to_smem(q_ref.at[w, head], q_smem, q_barrier)  # [64, H]
+    plgpu.copy_gmem_to_smem(q_ref.at[w, head], q_rows, q_barrier)  # [stored rows, H]
     pages_of = lambda step: _block_pages(page_table_ref, seq, kb_lo + step, pages_per_block,
                                          max_pages)
     issue = lambda step, pages: _issue_kv_block(
@@ -284,7 +309,7 @@ def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  #
     q_smem[...] = (acc / jax.lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(q_smem.dtype)
     lse_smem[...] = m_i + jnp.log2(l_safe)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(q_smem, o_ref.at[split, head, w])
+    plgpu.copy_smem_to_gmem(q_rows, o_ref.at[split, head, w])
     plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[split, head, w])
     plgpu.wait_smem_to_gmem(0)
 
@@ -547,6 +572,7 @@ def _combine_splits(o_parts, lse_parts):
     num_splits = o_parts.shape[0]
     if num_splits == 1:
         return o_parts[0]
+    lse_parts = lse_parts[..., :o_parts.shape[3]]  # a decode tile stores fewer than its 64 rows
     if num_splits > _UNROLLED_SPLITS:  # one or two KV heads (up to 2 x SMs splits): keep the HLO small
         lse_max = lse_parts.max(axis=0, keepdims=True)  # [1, K, W, 64]
         weights = jnp.exp2(lse_parts - lse_max)  # [splits, K, W, 64]
@@ -574,6 +600,27 @@ def tile_queries(q, tile_tok0, group: int, kv_heads: int):
     if used_rows < _ROWS:
         tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, _ROWS - used_rows), (0, 0)))  # [W, K, 64, H]
     return tiles
+
+
+def decode_queries(q, kv_heads: int, rows: int):
+    """q [T, N, H] -> [T, K, rows, H] for one-token tiles (tile_layout of a decode-like batch): tile w holds
+    token w (tile_table lists one tile per token, in token order), its rows the G q heads of each kv head,
+    zero-padded to `rows`. A reshape and a small pad, where tile_queries gathers."""
+    num_tokens, num_heads, head_dim = q.shape
+    group = num_heads // kv_heads
+    tiles = q.reshape(num_tokens, kv_heads, group, head_dim)  # [T, K, G, H]
+    if rows > group:
+        tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, rows - group), (0, 0)))  # [T, K, rows, H]
+    return tiles
+
+
+def _decode_rows(o_tiles, cu_q_lens, num_seqs, num_tokens, group):
+    """decode_queries' inverse: output tiles [K, T, rows, H] -> [T, N, H]; padding tokens get zeros."""
+    kv_heads, _, _, head_dim = o_tiles.shape
+    rows = o_tiles[:, :num_tokens, :group].transpose(1, 0, 2, 3)  # [T, K, G, H]
+    real = jnp.arange(num_tokens, dtype=jnp.int32) < cu_q_lens[num_seqs[0]]
+    rows = jnp.where(real[:, None, None, None], rows, 0)
+    return rows.reshape(num_tokens, kv_heads * group, head_dim)  # [T, N, H]
 
 
 def _gather_rows(o_tiles, cu_q_lens, num_seqs, tile_base, num_tokens, group):
@@ -701,7 +748,11 @@ def ragged_paged_attention(
     else:
         o_tiles, tile_base = _one_warpgroup_attention(*args, **knobs, num_splits=num_splits, stages=stages,
                                                         block_kv=block_kv)
-    out = _gather_rows(o_tiles, cu_q_lens, num_seqs, tile_base, num_tokens, num_heads // kv_heads)
+    group = num_heads // kv_heads
+    if tile_base is None:  # one-token tiles
+        out = _decode_rows(o_tiles, cu_q_lens, num_seqs, num_tokens, group)
+    else:
+        out = _gather_rows(o_tiles, cu_q_lens, num_seqs, tile_base, num_tokens, group)
     if v_scale is not None:
         out = out.astype(jnp.float32) * v_scale
     return out.astype(q.dtype)
@@ -709,8 +760,8 @@ def ragged_paged_attention(
 
 def _one_warpgroup_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                              sliding_window, soft_cap, interpret, num_splits, stages, block_kv):
-    """`_attention_kernel` over the call's 64-row tiles, splits merged: [K, W, 64, H] output tiles and the
-    sequences' first tiles."""
+    """`_attention_kernel` over the call's tiles, splits merged: [K, W, rows, H] output tiles and the sequences'
+    first tiles (None for one-token tiles, where tile w is token w)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     num_tokens, num_heads, head_dim = q.shape
@@ -718,24 +769,29 @@ def _one_warpgroup_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_le
     quantized = isinstance(k_pages, QuantizedPages)
     num_slots, max_pages = page_indices.shape
     group = num_heads // kv_heads
-    tokens_per_tile, _ = tile_rows(group)
+    layout = tile_layout(group, num_tokens, num_slots)
     block_kv = block_kv or default_block_kv(page_size)
     if block_kv % page_size or block_kv % 64 or block_kv > _MAX_BLOCK_KV:  # 64: PV's wgmma K step
         raise ValueError(f"block_kv {block_kv} must be a multiple of the page size {page_size} and of 64, "
                          f"at most {_MAX_BLOCK_KV}")
-    max_tiles = num_tokens // tokens_per_tile + num_slots
+    one_token = layout.tokens == 1 and layout.stored_rows < _ROWS
+    # One-token tiles: exactly one per token. Otherwise each sequence's last tile may be partial.
+    max_tiles = num_tokens if one_token else num_tokens // layout.tokens + num_slots
     max_kv_blocks = -(-max_pages * page_size // block_kv)
     num_splits = num_splits or default_num_splits(max_tiles, kv_heads, max_kv_blocks)
-    tile_seq, tile_tok0, tile_base = tile_table(cu_q_lens, num_seqs, tokens_per_tile, max_tiles)
-    q_tiles = tile_queries(q, tile_tok0, group, kv_heads)  # [W, K, 64, H]
+    tile_seq, tile_tok0, tile_base = tile_table(cu_q_lens, num_seqs, layout.tokens, max_tiles)
+    if one_token:
+        q_tiles, tile_base = decode_queries(q, kv_heads, layout.stored_rows), None  # [T, K, rows, H]
+    else:
+        q_tiles = tile_queries(q, tile_tok0, group, kv_heads)  # [W, K, 64, H]
 
     kernel = functools.partial(
         _attention_kernel, sm_scale=sm_scale, sliding_window=sliding_window,
-        soft_cap=soft_cap, group=group, max_pages=max_pages, num_splits=num_splits,
+        soft_cap=soft_cap, layout=layout, max_pages=max_pages, num_splits=num_splits,
         interpret=interpret, quantized=quantized)
     qt = _smem_transforms(q.dtype, head_dim)
     out_types = (
-        jax.ShapeDtypeStruct((num_splits, kv_heads, max_tiles, _ROWS, head_dim), q.dtype),
+        jax.ShapeDtypeStruct((num_splits, kv_heads, max_tiles, layout.stored_rows, head_dim), q.dtype),
         jax.ShapeDtypeStruct((num_splits, kv_heads, max_tiles, _ROWS), jnp.float32),
     )
     stages = stages or _STAGES
@@ -766,7 +822,7 @@ def _one_warpgroup_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_le
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(kv_lens.astype(jnp.int32), page_indices.reshape(-1).astype(jnp.int32),
       cu_q_lens.astype(jnp.int32), tile_seq, tile_tok0, q_tiles, *kv_args)
-    return _combine_splits(o_parts, lse_parts), tile_base  # [K, W, 64, H]
+    return _combine_splits(o_parts, lse_parts), tile_base  # [K, W, rows, H]
 
 
 def supported_config(q: jax.Array, k_pages: jax.Array) -> bool:

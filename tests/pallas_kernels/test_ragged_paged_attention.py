@@ -193,6 +193,34 @@ def test_gpu_gather_rows_inverts_tile_queries(rng, group):
     assert not back[real:].any()
 
 
+def test_gpu_decode_like_batches_take_one_token_tiles_of_their_q_heads_only():
+    """No more tokens than slots: one token a tile, the G q heads' rows stored rounded up to 8 (the 64-row tile
+    stays in shared memory); more tokens than slots keep 64 // G tokens a tile and all 64 rows."""
+    from pallas_kernels.ragged_paged_attention import gpu
+    assert gpu.tile_layout(4, 192, 192) == gpu.TileLayout(1, 4, 8)
+    assert gpu.tile_layout(3, 5, 8) == gpu.TileLayout(1, 3, 8)
+    assert gpu.tile_layout(12, 1, 2) == gpu.TileLayout(1, 12, 16)
+    assert gpu.tile_layout(64, 2, 2) == gpu.TileLayout(1, 64, 64)
+    assert gpu.tile_layout(4, 193, 192) == gpu.TileLayout(16, 64, 64)
+    assert gpu.tile_layout(3, 512, 2) == gpu.TileLayout(21, 63, 64)
+
+
+@pytest.mark.parametrize("group,rows", [(1, 8), (4, 8), (8, 8), (12, 16)])
+def test_gpu_decode_rows_invert_decode_queries(rng, group, rows):
+    """One-token tiles: tile w, kv head k, row g = q[w, k*G + g], rows G.. zero; and back, padding tokens zero."""
+    from pallas_kernels.ragged_paged_attention import gpu
+    kv_heads, num_tokens, real = 2, 7, 5
+    q = jnp.asarray(rng.standard_normal((num_tokens, kv_heads * group, 16)), jnp.float32)
+    tiles = np.asarray(gpu.decode_queries(q, kv_heads, rows))  # [T, K, rows, H]
+    assert tiles.shape == (num_tokens, kv_heads, rows, 16) and not tiles[:, :, group:].any()
+    np.testing.assert_array_equal(tiles[:, 1, group - 1], np.asarray(q)[:, 2 * group - 1])
+    cu = jnp.asarray([0, 1, 2, 3, 4, 5, 5, 5], jnp.int32)  # five one-token sequences, two empty slots
+    back = np.asarray(gpu._decode_rows(jnp.asarray(tiles).transpose(1, 0, 2, 3), cu, jnp.asarray([5]),
+                                       num_tokens, group))
+    np.testing.assert_array_equal(back[:real], np.asarray(q)[:real])
+    assert not back[real:].any()
+
+
 def test_gpu_wrapper_metadata_has_no_loop(rng):
     """The GPU kernel's tile table and row gather run loop-free: XLA's GPU runtime reads a while loop's predicate
     back to the host every iteration, so one loop in a step's forward (jnp.searchsorted's default "scan") kept the
@@ -219,6 +247,9 @@ def test_gpu_combine_splits_weights_each_split_by_its_share(rng, splits):
     want = np.einsum("skwr,skwrh->kwrh", weights / weights.sum(0, keepdims=True), o)
     np.testing.assert_allclose(np.asarray(gpu._combine_splits(jnp.asarray(o), jnp.asarray(lse))), want,
                                rtol=1e-5, atol=1e-5)
+    # One-token tiles store 8 of the 64 rows; the kernel still writes a log-sum-exp for all 64.
+    short = np.asarray(gpu._combine_splits(jnp.asarray(o[:, :, :, :8]), jnp.asarray(lse)))
+    np.testing.assert_allclose(short, want[:, :, :8], rtol=1e-5, atol=1e-5)
 
 
 def test_gpu_tile_rows_fill_the_64_row_tile():
@@ -357,6 +388,14 @@ INTERPRET_CASES = {
                                   head_dim=80), dict(num_splits=3)),
     "g4_h64_pages128": (Case(((3, 150), (1, 20)), num_heads=4, kv_heads=1, page_size=128,
                              max_pages=2), {}),
+    # One-token tiles (no more tokens than slots): G = 4 stored as 8 rows, G = 12 as 16, G = 8 unpadded; empty
+    # slots, a sequence of several tokens among them, and flash-decoding splits.
+    "g4_h128_one_token_tiles": (Case(((1, 40), (1, 17), (1, 1), (1, 64)), num_heads=8, kv_heads=2,
+                                     head_dim=128, page_size=16, max_pages=4, pad_seqs=3), {}),
+    "g12_h64_one_token_tiles_split": (Case(((1, 30), (1, 9)), num_heads=12, kv_heads=1, page_size=16,
+                                           max_pages=2, pad_seqs=1), dict(num_splits=2)),
+    "g8_h80_one_token_tiles_multi": (Case(((3, 20), (1, 33)), num_heads=16, kv_heads=2, head_dim=80,
+                                          pad_seqs=3), {}),
     # 128 kv positions a step over 16-token pages (eight page copies per block), three stages deep.
     "g4_h64_block128_stages3": (Case(((2, 150), (1, 300)), num_heads=4, kv_heads=1, page_size=16,
                                      max_pages=20), dict(block_kv=128, stages=3)),
@@ -436,7 +475,8 @@ def _has_mosaic_gpu_bindings() -> bool:
 # (2 stages) and 128-token pages (128-position kv steps) where they fit.
 LOWERING_LAYOUTS = [
     (g, h, r, t, s) for h in (64, 80, 96, 128, 192, 256)
-    for g, r, t, s in ((3, 16, 64, 64), (16, 64, 512, 2), (1, 128, 64, 64), (5, 8, 64, 64))
+    for g, r, t, s in ((3, 16, 64, 64), (16, 64, 512, 2), (1, 128, 64, 64), (5, 8, 64, 64), (4, 16, 96, 128),
+                       (12, 32, 1, 2))
     if not (r == 128 and h == 256)]
 
 
