@@ -6,8 +6,9 @@ Work decomposition (docs/KERNELS.md has the reasoning and the measured numbers):
   tokens of the sequence times the G query heads that share the kv head. Row r < G * Bt of the tile
   is (head g = r // Bt, token t = r % Bt), and the tile is exactly one wgmma M=64 block. When G does
   not divide 64 (G = 3, 5, 6, 7, 9..15), the last `64 - G * Bt` rows (at most 12) hold no query:
-  they are zeros in the gathered q, masked in the kernel and dropped by the gather back. Decode
-  tokens fill G rows of a tile; the rest are masked. Any G from 1 to 64 works this way.
+  they are zeros in the gathered q, masked in the kernel and dropped by the gather back. Any G from 1
+  to 64 works this way. A decode-like call (no more tokens than slots) takes one-token tiles instead
+  (`tile_layout`): the q and output arrays keep only the G head rows of each tile, rounded up to 8.
 * The wrapper lists the tiles of all sequences (ragged, computed on device from cu_q_lens) into a
   static-size table and gathers q into that tile-major order (`[W, K, 64, H]`), so each CTA loads
   its q tile with one TMA copy at a row offset that is a multiple of 64. Why not copy straight out
