@@ -32,9 +32,30 @@ from scripts.bench_kernels import LLAMA_HEADS, make_decode_batch, time_fn
 BLOCK_KV = 64  # the decode kernel's positions per step at 16-token pages
 
 
+def _stream(issue, steps, stages: int, k_bar, v_bar, first_block_smem, out_ref) -> None:
+    """Inside a copy-only kernel: `steps` blocks, `stages` deep (issue(step) starts block `step`'s copies into
+    slot step % stages), each waited for and nothing else; then one block is written out so the reads land."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    for s in range(stages - 1):
+        issue(s)
+
+    def step_fn(step, carry):
+        ahead = step + stages - 1
+        pl.when(ahead < steps)(functools.partial(issue, ahead))
+        plgpu.barrier_wait(k_bar.at[jax.lax.rem(step, stages)])
+        plgpu.barrier_wait(v_bar.at[jax.lax.rem(step, stages)])
+        return carry
+
+    jax.lax.fori_loop(0, steps, step_fn, 0)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(first_block_smem, out_ref)
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _boxes_copy(k_pages, v_pages, table, *, stages: int):
     """The decode kernel's reads alone: per (sequence, kv head), its 64-position blocks, `stages` deep."""
-    import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     _, page_size, kv_heads, head_dim = k_pages.shape
@@ -50,20 +71,7 @@ def _boxes_copy(k_pages, v_pages, table, *, stages: int):
             rpa_gpu._issue_kv_block(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, jax.lax.rem(step, stages), head,
                                     pages_of(step))
 
-        for s in range(stages - 1):
-            issue(s)
-
-        def step_fn(step, carry):
-            ahead = step + stages - 1
-            pl.when(ahead < steps)(functools.partial(issue, ahead))
-            plgpu.barrier_wait(k_bar.at[jax.lax.rem(step, stages)])
-            plgpu.barrier_wait(v_bar.at[jax.lax.rem(step, stages)])
-            return carry
-
-        jax.lax.fori_loop(0, steps, step_fn, 0)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_smem.at[0], o_ref.at[seq, head])  # something read lands somewhere
-        plgpu.wait_smem_to_gmem(0)
+        _stream(issue, steps, stages, k_bar, v_bar, k_smem.at[0], o_ref.at[seq, head])
 
     kvt = rpa_gpu._smem_transforms(k_pages.dtype, head_dim)
     return plgpu.kernel(
@@ -79,7 +87,6 @@ def _boxes_copy(k_pages, v_pages, table, *, stages: int):
 
 def _pages_copy(k_pages, v_pages, table, *, stages: int):
     """Whole pages: per sequence, each page's `[R, K, H]` K and V as one contiguous box, `stages` deep."""
-    import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     _, page_size, kv_heads, head_dim = k_pages.shape
@@ -94,20 +101,7 @@ def _pages_copy(k_pages, v_pages, table, *, stages: int):
             plgpu.copy_gmem_to_smem(k_ref.at[page], k_smem.at[slot], k_bar.at[slot])  # [R, K, H]
             plgpu.copy_gmem_to_smem(v_ref.at[page], v_smem.at[slot], v_bar.at[slot])
 
-        for s in range(stages - 1):
-            issue(s)
-
-        def step_fn(step, carry):
-            ahead = step + stages - 1
-            pl.when(ahead < max_pages)(functools.partial(issue, ahead))
-            plgpu.barrier_wait(k_bar.at[jax.lax.rem(step, stages)])
-            plgpu.barrier_wait(v_bar.at[jax.lax.rem(step, stages)])
-            return carry
-
-        jax.lax.fori_loop(0, max_pages, step_fn, 0)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(k_smem.at[0], o_ref.at[seq])
-        plgpu.wait_smem_to_gmem(0)
+        _stream(issue, max_pages, stages, k_bar, v_bar, k_smem.at[0], o_ref.at[seq])
 
     page = (page_size, kv_heads, head_dim)
     return plgpu.kernel(
