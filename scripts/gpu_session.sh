@@ -82,7 +82,8 @@
 #   ab_b1        batch-1 decode (end to end and device only) of .ab_old (a git worktree, carried) and this tree,
 #                alternating twice: $OUT/ab_b1.jsonl
 #   attn_access  scripts/attention_access_ceiling.py: decode attention's KV reads alone (copy-only kernels, the
-#                kernel's per-head boxes and whole pages) beside the kernel: $OUT/attn_access.json
+#                kernel's per-head boxes and whole pages) beside the kernel: $OUT/attn_access.json (after the
+#                copy kernels' gpu-marked test)
 #   moe_b1_kernels  scripts/profile_decode_buckets.py for Qwen3-30B-A3B's batch-1 bucket: its 80 costliest kernels
 #                and the compiled decode HLO: $OUT/moe_b1_kernels.json, $OUT/decode_rows2*.hlo.txt
 #   moe_b1_steps Qwen3-30B-A3B batch-1 decode (end to end and device only) at 8, 16 and 32 decode steps per call,
@@ -130,6 +131,7 @@ for section in "$@"; do
         tests/pallas_kernels/test_ragged_paged_attention.py
       run attn_prefill 200 python3 scripts/bench_kernels.py --sections ceilings,prefill --out "$OUT/prefill_attention.json" ;;
     attn_access)
+      run attn_access_test 120 python3 -m pytest -q -m gpu -k access_ceiling tests/pallas_kernels/test_ragged_paged_attention.py
       run attn_access 300 python3 scripts/attention_access_ceiling.py --out "$OUT/attn_access.json" ;;
     heads)
       run heads 400 python3 scripts/bench_kernels.py --sections ceilings,decode,heads --out "$OUT/bench_heads.json" ;;

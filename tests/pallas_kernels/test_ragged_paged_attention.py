@@ -471,8 +471,8 @@ def _has_mosaic_gpu_bindings() -> bool:
     return True
 
 
-# (G, H, R, T, S): for each head dim, a decode-like batch (3 stages at H <= 128), a prefill-like one
-# (2 stages) and 128-token pages (128-position kv steps) where they fit.
+# (G, H, R, T, S): for each head dim, decode-like batches (one-token tiles when T <= S), a prefill-like one and
+# 128-token pages (128-position kv steps) where they fit.
 LOWERING_LAYOUTS = [
     (g, h, r, t, s) for h in (64, 80, 96, 128, 192, 256)
     for g, r, t, s in ((3, 16, 64, 64), (16, 64, 512, 2), (1, 128, 64, 64), (5, 8, 64, 64), (4, 16, 96, 128),
@@ -855,3 +855,48 @@ def test_gpu_kernel_takes_quantized_pages(rng, kv_dtype, head_dim, page_size, gr
     real = batch.num_real_tokens
     assert relative_error(out[:real], want[:real].astype(jnp.float32)) < 2e-2
     assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
+
+
+def _access_ceiling_script():
+    import importlib.util
+    path = Path(__file__).resolve().parents[2] / "scripts" / "attention_access_ceiling.py"
+    spec = importlib.util.spec_from_file_location("attention_access_ceiling", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _check_copy_kernels(run):
+    """scripts/attention_access_ceiling.py's copy-only kernels (the decode kernel's reads without its math): each
+    writes the block its pipeline slot 0 held last, so the reads are checked to land where the kernel's would."""
+    script = _access_ceiling_script()
+    num_seqs, ctx, page = 3, 256, 16  # 4 blocks of 64 positions, 16 pages a sequence
+    rng = np.random.default_rng(0)
+    k_pages = jnp.asarray(rng.standard_normal((num_seqs * ctx // page + 1, page, 2, 64)), jnp.bfloat16)
+    v_pages = -k_pages
+    table = jnp.asarray(rng.permutation(np.arange(1, k_pages.shape[0])).reshape(num_seqs, -1), jnp.int32)
+    for stages in (2, 3):
+        boxes = run(lambda k, v, t, s=stages: script._boxes_copy(k, v, t, stages=s), k_pages, v_pages, table)
+        pages = run(lambda k, v, t, s=stages: script._pages_copy(k, v, t, stages=s), k_pages, v_pages, table)
+        if boxes is None:
+            continue
+        block = max(b for b in range(ctx // 64) if b % stages == 0)  # the last block slot 0 held
+        by_seq = np.asarray(k_pages)[np.asarray(table)]  # [S, pages, R, K, H]
+        positions = by_seq.reshape(num_seqs, ctx, 2, 64)[:, block * 64:(block + 1) * 64]  # [S, 64, K, H]
+        np.testing.assert_array_equal(np.asarray(boxes), positions.transpose(0, 2, 1, 3))  # [S, K, 64, H]
+        last_page = max(p for p in range(ctx // page) if p % stages == 0)
+        np.testing.assert_array_equal(np.asarray(pages), by_seq[:, last_page])  # [S, R, K, H]
+
+
+@pytest.mark.skipif(not _has_mosaic_gpu_bindings(),
+                    reason="needs the Mosaic GPU bindings (jax-cuda13-plugin) to lower for CUDA")
+def test_attention_access_ceiling_copy_kernels_lower_for_cuda():
+    def lower(fn, *args):
+        assert "mosaic_gpu" in jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    _check_copy_kernels(lower)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU")
+def test_attention_access_ceiling_copy_kernels_read_the_decode_kernels_blocks():
+    _check_copy_kernels(lambda fn, *args: jax.jit(fn)(*args))
