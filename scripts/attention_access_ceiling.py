@@ -11,7 +11,8 @@ cache.
   per-page `[R, H]` boxes, `stages` deep);
 * `pages`: one CTA per sequence, each page one contiguous `[R, K, H]` box (what reading all kv heads together
   would cost);
-* `ours`: the kernel, at its default and at forced stages / splits;
+* `ours`: the kernel as the engine's decode loop calls it (`one_token_per_seq`), and with forced stages / splits /
+  blocks, and with 64-row tiles (no promise);
 * `copy`: a plain XLA copy of the same K and V arrays (read + write, counted as bytes read x 2).
 
     JAX_PLATFORMS=cuda PYTHONPATH=$PWD python3 scripts/attention_access_ceiling.py --out $OUT/attn_access.json
@@ -117,11 +118,13 @@ def _pages_copy(k_pages, v_pages, table, *, stages: int):
 def variants(page_size: int):
     """name -> (function of (q, k_pages, v_pages, kv_lens, table, cu, num_seqs), bytes-read multiplier)."""
     scale = LLAMA_HEADS["head_dim"] ** -0.5
+    # As the engine's decode loop calls it: one new token per sequence, promised (one-token tiles).
     ours = lambda **knobs: (lambda q, k, v, lens, table, cu, ns: rpa_gpu.ragged_paged_attention(
-        q, k, v, lens, table, cu, ns, sm_scale=scale, **knobs))
+        q, k, v, lens, table, cu, ns, sm_scale=scale, **{"one_token_per_seq": True, **knobs}))
     out = {
         "copy (XLA, read + write)": (lambda q, k, v, *_: (k + 0, v + 0), 2),
         "ours": (ours(), 1),
+        "ours, 64-row tiles": (ours(one_token_per_seq=False), 1),
         "ours stages=2": (ours(stages=2), 1),
         "ours stages=4": (ours(stages=4), 1),
         "ours splits=2": (ours(num_splits=2), 1),
@@ -155,7 +158,8 @@ def quantized_rows(shape: str, page_size: int = 32) -> list[dict]:
         sets = [(q * (i + 1), kp, vp, *rest) for i in range(2)]
         for knobs in ({}, dict(stages=2), dict(stages=3), dict(stages=4)):
             name = f"ours {label} KV R={page_size}" + "".join(f" {k}={v}" for k, v in knobs.items())
-            fn = jax.jit(lambda *a, knobs=knobs: rpa_gpu.ragged_paged_attention(*a, sm_scale=scale, **knobs))
+            fn = jax.jit(lambda *a, knobs=knobs: rpa_gpu.ragged_paged_attention(
+                *a, sm_scale=scale, one_token_per_seq=True, **knobs))
             try:
                 t = time_fn(fn, sets, repeats=5, batch=10)
                 row = dict(shape=shape, name=name, us=t["device"] * 1e6, GBps=kv_bytes / t["device"] / 1e9)

@@ -190,6 +190,10 @@ class ModelRunner(CompiledPrograms):
         self._executables: dict[tuple[Any, ...], Any] = {}
         self.precompile_times: dict[str, float] = {}  # the last `precompile`: trace and compile seconds
         attn_fn = make_attention_fn(cfg, attention_impl, interpret, mesh)
+        # The multi-step decode loop has exactly one new token per row, which it tells the attention: the GPU kernel
+        # then lays one token per tile and moves only the tile's q-head rows (gpu.tile_layout; at 192 rows an
+        # H200's decode iteration took 16.9 instead of 18.9 ms, docs/PERFORMANCE.md). Other steps may prefill.
+        decode_attn_fn = make_attention_fn(cfg, attention_impl, interpret, mesh, one_token_per_seq=True)
         # The experts' grouped matmul follows the attention choice: the Pallas kernel of the platform, or the
         # jnp reference (ragged_dot) wherever attention runs jnp (the reference or its xla reordering).
         experts_impl = "reference" if attention_impl == "xla" else attention_impl
@@ -222,7 +226,7 @@ class ModelRunner(CompiledPrograms):
         # H100, same lease: one iteration 6.2 instead of 7.2 ms at batch 1 (Llama-3-8B) and 6.6 instead of 7.4 ms
         # (Qwen3-30B-A3B); a batch-64 step 12.4 instead of 13.6 ms end to end (docs/PERFORMANCE.md).
         def decode_loop(options: dict[str, Any] | None) -> Any:
-            return jax.jit(functools.partial(self._decode_steps_impl, attn_fn=attn_fn), donate_argnums=(1, 2),
+            return jax.jit(functools.partial(self._decode_steps_impl, attn_fn=decode_attn_fn), donate_argnums=(1, 2),
                            static_argnames=("max_steps", "branch_free"), compiler_options=options)
 
         # Loops of a few rows also merge their dots (MERGED_DOTS, `decode_kind`).

@@ -77,8 +77,12 @@ def ragged_paged_attention(
     v_scale: float | None = None,
     impl: Impl = "auto",
     interpret: bool = False,
+    one_token_per_seq: bool = False,
 ) -> jax.Array:
-    """Attention of ragged new tokens over a paged KV cache (docs/ARCHITECTURE.md); [T, N, H]."""
+    """Attention of ragged new tokens over a paged KV cache (docs/ARCHITECTURE.md); [T, N, H].
+
+    one_token_per_seq: a hint that no sequence has more than one new token (a decode step); the GPU kernel then
+    lays one token per tile (gpu.tile_layout). The results are the same either way."""
     args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     kwargs = dict(sm_scale=sm_scale, sliding_window=sliding_window, soft_cap=soft_cap,
                   k_scale=k_scale, v_scale=v_scale)
@@ -95,7 +99,7 @@ def ragged_paged_attention(
     if chosen == "pallas_tpu":
         from pallas_kernels.ragged_paged_attention import tpu
         return tpu.ragged_paged_attention(*args, **kwargs, interpret=interpret)
-    return gpu.ragged_paged_attention(*args, **kwargs, interpret=interpret)
+    return gpu.ragged_paged_attention(*args, **kwargs, interpret=interpret, one_token_per_seq=one_token_per_seq)
 
 
 __all__ = ["ragged_paged_attention", "resolve_impl", "reference"]

@@ -7,8 +7,8 @@ Work decomposition (docs/KERNELS.md has the reasoning and the measured numbers):
   is (head g = r // Bt, token t = r % Bt), and the tile is exactly one wgmma M=64 block. When G does
   not divide 64 (G = 3, 5, 6, 7, 9..15), the last `64 - G * Bt` rows (at most 12) hold no query:
   they are zeros in the gathered q, masked in the kernel and dropped by the gather back. Any G from 1
-  to 64 works this way. A decode-like call (no more tokens than slots) takes one-token tiles instead
-  (`tile_layout`): the q and output arrays keep only the G head rows of each tile, rounded up to 8.
+  to 64 works this way. A decode step (`one_token_per_seq`, the caller's promise) takes one-token tiles
+  instead (`tile_layout`): the q and output arrays keep only the G head rows of each tile, rounded up to 8.
 * The wrapper lists the tiles of all sequences (ragged, computed on device from cu_q_lens) into a
   static-size table and gathers q into that tile-major order (`[W, K, 64, H]`), so each CTA loads
   its q tile with one TMA copy at a row offset that is a multiple of 64. Why not copy straight out
@@ -126,14 +126,15 @@ class TileLayout:
     stored_rows: int  # rows of each tile in the q and output arrays; the shared-memory tile always has 64
 
 
-def tile_layout(group: int, num_tokens: int, num_slots: int) -> TileLayout:
-    """The tile layout of a call. A decode-like batch (no more tokens than sequence slots) gets one token per
-    tile: its G query heads are the tile's first rows, and the q and output arrays keep only those rows,
-    rounded up to 8 (the tiling of a swizzled TMA copy). With 16 tokens a tile, a decode token used 4 of 64
-    rows at G = 4, yet the call wrote and read all 64 of every tile: at 192 sequences, ~27 MB of q tiles and
-    as much output per layer (docs/KERNELS.md). Any batch is correct either way, since a sequence with
-    several tokens takes one tile per token; a batch with more tokens than slots keeps Bt = 64 // G."""
-    if num_tokens <= num_slots:
+def tile_layout(group: int, one_token_per_seq: bool) -> TileLayout:
+    """The tile layout of a call. With `one_token_per_seq` (the caller's promise, a decode step) each tile holds
+    one token: its G query heads are the tile's first rows, and the q and output arrays keep only those rows,
+    rounded up to 8 (the tiling of a swizzled TMA copy). With 64 // G tokens a tile, a decode token used 4 of 64
+    rows at G = 4, yet the call wrote and read all 64 of every tile: at 192 sequences, ~27 MB of q tiles and as
+    much output per layer (docs/KERNELS.md). One-token tiles are correct for any batch, but a sequence with n
+    new tokens then reads its kv blocks n times instead of n / Bt times, so without the promise (prefill, mixed
+    steps, chunks of long prompts) tiles keep Bt = 64 // G tokens."""
+    if one_token_per_seq:
         return TileLayout(1, group, -(-group // 8) * 8)
     tokens, used = tile_rows(group)
     return TileLayout(tokens, used, _ROWS)
@@ -703,7 +704,7 @@ def _prefill_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, nu
 
 @functools.partial(jax.jit, static_argnames=(
     "sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale", "num_splits", "stages", "block_kv",
-    "warp_specialized", "interpret"))
+    "one_token_per_seq", "warp_specialized", "interpret"))
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
     k_pages: jax.Array,  # [P, R, K, H]
@@ -721,10 +722,14 @@ def ragged_paged_attention(
     num_splits: int | None = None,
     stages: int | None = None,
     block_kv: int | None = None,
+    one_token_per_seq: bool = False,
     warp_specialized: bool | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Mosaic GPU ragged paged attention with the reference's semantics; returns [T, N, H].
+
+    one_token_per_seq: the caller promises at most one new token per sequence (a decode step), which takes
+    one-token tiles (`tile_layout`); a broken promise costs speed, never correctness.
 
     num_splits / stages / block_kv override the flash-decoding split count, the kv pipeline depth (_STAGES)
     and the kv positions per step (default_block_kv) of the one-warpgroup kernel. `warp_specialized` picks the
@@ -735,8 +740,9 @@ def ragged_paged_attention(
     quantized = isinstance(k_pages, QuantizedPages)
     _check_supported(q, k_pages)
     if warp_specialized is None:
-        warp_specialized = num_splits is None and stages is None and block_kv is None and takes_prefill_kernel(
-            num_tokens, page_indices.shape[0], num_heads, kv_heads, head_dim, quantized)
+        warp_specialized = (num_splits is None and stages is None and block_kv is None and not one_token_per_seq
+                            and takes_prefill_kernel(
+            num_tokens, page_indices.shape[0], num_heads, kv_heads, head_dim, quantized))
     if warp_specialized and (quantized or head_dim > _PREFILL_MAX_HEAD_DIM):
         raise NotImplementedError(
             f"the prefill kernel takes a 16-bit cache and head dims up to {_PREFILL_MAX_HEAD_DIM}, got "
@@ -748,7 +754,7 @@ def ragged_paged_attention(
         o_tiles, tile_base = _prefill_attention(*args, **knobs)
     else:
         o_tiles, tile_base = _one_warpgroup_attention(*args, **knobs, num_splits=num_splits, stages=stages,
-                                                        block_kv=block_kv)
+                                                        block_kv=block_kv, one_token_per_seq=one_token_per_seq)
     group = num_heads // kv_heads
     if tile_base is None:  # one-token tiles
         out = _decode_rows(o_tiles, cu_q_lens, num_seqs, num_tokens, group)
@@ -760,7 +766,8 @@ def ragged_paged_attention(
 
 
 def _one_warpgroup_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                             sliding_window, soft_cap, interpret, num_splits, stages, block_kv):
+                             sliding_window, soft_cap, interpret, num_splits, stages, block_kv,
+                             one_token_per_seq):
     """`_attention_kernel` over the call's tiles, splits merged: [K, W, rows, H] output tiles and the sequences'
     first tiles (None for one-token tiles, where tile w is token w)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -770,18 +777,17 @@ def _one_warpgroup_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_le
     quantized = isinstance(k_pages, QuantizedPages)
     num_slots, max_pages = page_indices.shape
     group = num_heads // kv_heads
-    layout = tile_layout(group, num_tokens, num_slots)
+    layout = tile_layout(group, one_token_per_seq)
     block_kv = block_kv or default_block_kv(page_size)
     if block_kv % page_size or block_kv % 64 or block_kv > _MAX_BLOCK_KV:  # 64: PV's wgmma K step
         raise ValueError(f"block_kv {block_kv} must be a multiple of the page size {page_size} and of 64, "
                          f"at most {_MAX_BLOCK_KV}")
-    one_token = layout.tokens == 1 and layout.stored_rows < _ROWS
     # One-token tiles: exactly one per token. Otherwise each sequence's last tile may be partial.
-    max_tiles = num_tokens if one_token else num_tokens // layout.tokens + num_slots
+    max_tiles = num_tokens if one_token_per_seq else num_tokens // layout.tokens + num_slots
     max_kv_blocks = -(-max_pages * page_size // block_kv)
     num_splits = num_splits or default_num_splits(max_tiles, kv_heads, max_kv_blocks)
     tile_seq, tile_tok0, tile_base = tile_table(cu_q_lens, num_seqs, layout.tokens, max_tiles)
-    if one_token:
+    if one_token_per_seq:
         q_tiles, tile_base = decode_queries(q, kv_heads, layout.stored_rows), None  # [T, K, rows, H]
     else:
         q_tiles = tile_queries(q, tile_tok0, group, kv_heads)  # [W, K, 64, H]

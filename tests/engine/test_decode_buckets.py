@@ -44,3 +44,37 @@ def test_a_two_row_bucket_decodes_a_lone_row_as_the_one_row_bucket(name: str, mo
     (one, one_lp), (two, two_lp) = _decode_alone(runner, 1, monkeypatch), _decode_alone(runner, 2, monkeypatch)
     assert one == two
     np.testing.assert_allclose(one_lp, two_lp, atol=1e-5)
+
+
+def test_only_the_multi_step_loop_promises_one_token_per_row_to_the_attention(monkeypatch) -> None:
+    """The decode loop tells the attention that each row has one new token (the GPU kernel then lays one token per
+    tile); prefill and mixed steps, which may carry many tokens of a sequence, never do. Checked at trace time on
+    the calls the model makes, whatever kernel the platform runs."""
+    import threading
+
+    import jaxinfer.attention as attention
+    from jaxinfer.engine.runner import ModelRunner
+
+    tracing_loop, seen = threading.local(), []
+    decode_impl, attend = ModelRunner._decode_steps_impl, attention.ragged_paged_attention
+
+    def loop_impl(self, *args, **kwargs):
+        tracing_loop.on = True
+        try:
+            return decode_impl(self, *args, **kwargs)
+        finally:
+            tracing_loop.on = False
+
+    def spy(*args, one_token_per_seq=False, **kwargs):
+        seen.append((getattr(tracing_loop, "on", False), one_token_per_seq))
+        return attend(*args, one_token_per_seq=one_token_per_seq, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "_decode_steps_impl", loop_impl)  # before the runner binds its programs
+    monkeypatch.setattr(attention, "ragged_paged_attention", spy)
+    runner = build_runner(tiny_config(), num_pages=40, page_size=4)
+    engine = Engine(runner, None, EngineConfig(max_num_seqs=4, max_num_batched_tokens=16),
+                    CacheConfig(page_size=4, num_pages=40), use_tqdm=False, decode_steps_per_call=4)
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    engine.generate([[5, 17, 42, 9, 100, 3], [7, 8]], params)
+    assert {in_loop for in_loop, _ in seen} == {True, False}, seen  # both kinds of program were traced
+    assert all(in_loop == promised for in_loop, promised in seen), seen

@@ -193,16 +193,16 @@ def test_gpu_gather_rows_inverts_tile_queries(rng, group):
     assert not back[real:].any()
 
 
-def test_gpu_decode_like_batches_take_one_token_tiles_of_their_q_heads_only():
-    """No more tokens than slots: one token a tile, the G q heads' rows stored rounded up to 8 (the 64-row tile
-    stays in shared memory); more tokens than slots keep 64 // G tokens a tile and all 64 rows."""
+def test_gpu_decode_steps_take_one_token_tiles_of_their_q_heads_only():
+    """A decode step (one_token_per_seq): one token a tile, the G q heads' rows stored rounded up to 8 (the 64-row
+    tile stays in shared memory); any other call keeps 64 // G tokens a tile and all 64 rows."""
     from pallas_kernels.ragged_paged_attention import gpu
-    assert gpu.tile_layout(4, 192, 192) == gpu.TileLayout(1, 4, 8)
-    assert gpu.tile_layout(3, 5, 8) == gpu.TileLayout(1, 3, 8)
-    assert gpu.tile_layout(12, 1, 2) == gpu.TileLayout(1, 12, 16)
-    assert gpu.tile_layout(64, 2, 2) == gpu.TileLayout(1, 64, 64)
-    assert gpu.tile_layout(4, 193, 192) == gpu.TileLayout(16, 64, 64)
-    assert gpu.tile_layout(3, 512, 2) == gpu.TileLayout(21, 63, 64)
+    assert gpu.tile_layout(4, one_token_per_seq=True) == gpu.TileLayout(1, 4, 8)
+    assert gpu.tile_layout(3, one_token_per_seq=True) == gpu.TileLayout(1, 3, 8)
+    assert gpu.tile_layout(12, one_token_per_seq=True) == gpu.TileLayout(1, 12, 16)
+    assert gpu.tile_layout(64, one_token_per_seq=True) == gpu.TileLayout(1, 64, 64)
+    assert gpu.tile_layout(4, one_token_per_seq=False) == gpu.TileLayout(16, 64, 64)
+    assert gpu.tile_layout(3, one_token_per_seq=False) == gpu.TileLayout(21, 63, 64)
 
 
 @pytest.mark.parametrize("group,rows", [(1, 8), (4, 8), (8, 8), (12, 16)])
@@ -388,14 +388,16 @@ INTERPRET_CASES = {
                                   head_dim=80), dict(num_splits=3)),
     "g4_h64_pages128": (Case(((3, 150), (1, 20)), num_heads=4, kv_heads=1, page_size=128,
                              max_pages=2), {}),
-    # One-token tiles (no more tokens than slots): G = 4 stored as 8 rows, G = 12 as 16, G = 8 unpadded; empty
-    # slots, a sequence of several tokens among them, and flash-decoding splits.
+    # One-token tiles (a decode step's one_token_per_seq): G = 4 stored as 8 rows, G = 12 as 16, G = 8 unpadded;
+    # empty slots, padding tokens and flash-decoding splits; and a broken promise (a sequence of three new
+    # tokens), which must cost only speed.
     "g4_h128_one_token_tiles": (Case(((1, 40), (1, 17), (1, 1), (1, 64)), num_heads=8, kv_heads=2,
-                                     head_dim=128, page_size=16, max_pages=4, pad_seqs=3), {}),
+                                     head_dim=128, page_size=16, max_pages=4, pad_seqs=3, pad_tokens=2),
+                                dict(one_token_per_seq=True)),
     "g12_h64_one_token_tiles_split": (Case(((1, 30), (1, 9)), num_heads=12, kv_heads=1, page_size=16,
-                                           max_pages=2, pad_seqs=1), dict(num_splits=2)),
+                                           max_pages=2, pad_seqs=1), dict(num_splits=2, one_token_per_seq=True)),
     "g8_h80_one_token_tiles_multi": (Case(((3, 20), (1, 33)), num_heads=16, kv_heads=2, head_dim=80,
-                                          pad_seqs=3), {}),
+                                          pad_seqs=3), dict(one_token_per_seq=True)),
     # 128 kv positions a step over 16-token pages (eight page copies per block), three stages deep.
     "g4_h64_block128_stages3": (Case(((2, 150), (1, 300)), num_heads=4, kv_heads=1, page_size=16,
                                      max_pages=20), dict(block_kv=128, stages=3)),
@@ -471,12 +473,11 @@ def _has_mosaic_gpu_bindings() -> bool:
     return True
 
 
-# (G, H, R, T, S): for each head dim, decode-like batches (one-token tiles when T <= S), a prefill-like one and
-# 128-token pages (128-position kv steps) where they fit.
+# (G, H, R, T, S): for each head dim, a decode-like batch, a prefill-like one and 128-token pages (128-position kv
+# steps) where they fit; the decode-like ones lower with one-token tiles too (one_token_per_seq).
 LOWERING_LAYOUTS = [
     (g, h, r, t, s) for h in (64, 80, 96, 128, 192, 256)
-    for g, r, t, s in ((3, 16, 64, 64), (16, 64, 512, 2), (1, 128, 64, 64), (5, 8, 64, 64), (4, 16, 96, 128),
-                       (12, 32, 1, 2))
+    for g, r, t, s in ((3, 16, 64, 64), (16, 64, 512, 2), (1, 128, 64, 64), (5, 8, 64, 64))
     if not (r == 128 and h == 256)]
 
 
@@ -500,10 +501,11 @@ def test_gpu_kernel_lowers_for_cuda(group, head_dim, page_size, num_tokens, num_
             spec((num_seqs,), jnp.int32), spec((num_seqs, max_pages), jnp.int32),
             spec((num_seqs + 1,), jnp.int32), spec((1,), jnp.int32))
     assert gpu.supported_config(args[0], pages)
-    fn = jax.jit(functools.partial(gpu.ragged_paged_attention, sm_scale=0.1, soft_cap=30.0,
-                                   sliding_window=100))
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    for one_token in (False, True) if num_tokens <= num_seqs else (False,):
+        fn = jax.jit(functools.partial(gpu.ragged_paged_attention, sm_scale=0.1, soft_cap=30.0,
+                                       sliding_window=100, one_token_per_seq=one_token))
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
 
 
 @pytest.mark.skipif(not _has_mosaic_gpu_bindings(),
@@ -567,11 +569,13 @@ def test_gpu_kernel_matches_reference(rng, name):
     case = dataclasses.replace({**CASES, **GPU_EXTRA_CASES}[name], dtype=jnp.bfloat16)
     batch, kwargs = _build(rng, case)
     from pallas_kernels.ragged_paged_attention import gpu
-    out = gpu.ragged_paged_attention(*batch.args(), **kwargs)
     want = reference.ragged_paged_attention(*batch.args(), **kwargs)
     real = batch.num_real_tokens
-    assert relative_error(out[:real], want[:real].astype(jnp.float32)) < 2e-2
-    assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
+    # One-token tiles on every case too: the decode loop's promise, and a broken one costs only speed.
+    for one_token in (False, True):
+        out = gpu.ragged_paged_attention(*batch.args(), **kwargs, one_token_per_seq=one_token)
+        assert relative_error(out[:real], want[:real].astype(jnp.float32)) < 2e-2, one_token
+        assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
 
 
 # The prefill kernel on the GPU, forced (warp_specialized=True) on small ragged batches and taken by default
@@ -797,11 +801,12 @@ def test_gpu_kernel_in_interpret_mode_takes_quantized_pages(rng, kv_dtype, head_
     from pallas_kernels.ragged_paged_attention import gpu
     batch, kwargs = _quantized_gpu_case(rng, kv_dtype, head_dim, page_size, group)
     assert gpu.unsupported_reason(batch.q, batch.k_pages) is None
-    out = gpu.ragged_paged_attention(*batch.args(), **kwargs, interpret=True)
     want = reference.ragged_paged_attention(*batch.args(), **kwargs)
     real = batch.num_real_tokens
-    assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
-    assert relative_error(out[:real], want[:real].astype(jnp.float32)) < 2e-2
+    for one_token in (False, True):  # the decode loop's one-token tiles, here over a mixed batch
+        out = gpu.ragged_paged_attention(*batch.args(), **kwargs, one_token_per_seq=one_token, interpret=True)
+        assert out.shape == batch.q.shape and out.dtype == batch.q.dtype
+        assert relative_error(out[:real], want[:real].astype(jnp.float32)) < 2e-2, one_token
 
 
 def test_gpu_kernel_refuses_quantized_layouts_it_cannot_tile(rng):
@@ -838,9 +843,11 @@ def test_gpu_kernel_lowers_for_cuda_with_quantized_pages(kv_dtype, head_dim, pag
             spec((num_seqs,), jnp.int32), spec((num_seqs, max_pages), jnp.int32),
             spec((num_seqs + 1,), jnp.int32), spec((1,), jnp.int32))
     assert gpu.supported_config(args[0], pages)
-    fn = jax.jit(functools.partial(gpu.ragged_paged_attention, sm_scale=0.1, soft_cap=30.0))
-    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    assert "mosaic_gpu" in text
+    for one_token in (False, True) if num_tokens <= num_seqs else (False,):
+        fn = jax.jit(functools.partial(gpu.ragged_paged_attention, sm_scale=0.1, soft_cap=30.0,
+                                       one_token_per_seq=one_token))
+        text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+        assert "mosaic_gpu" in text
 
 
 @pytest.mark.gpu
@@ -850,11 +857,12 @@ def test_gpu_kernel_takes_quantized_pages(rng, kv_dtype, head_dim, page_size, gr
     from pallas_kernels.ragged_paged_attention import gpu
     batch, kwargs = _quantized_gpu_case(rng, kv_dtype, head_dim, page_size, group)
     assert gpu.unsupported_reason(batch.q, batch.k_pages) is None
-    out = ragged_paged_attention(*batch.args(), **kwargs, impl="auto")
     want = reference.ragged_paged_attention(*batch.args(), **kwargs)
     real = batch.num_real_tokens
-    assert relative_error(out[:real], want[:real].astype(jnp.float32)) < 2e-2
-    assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
+    for one_token in (False, True):
+        out = ragged_paged_attention(*batch.args(), **kwargs, impl="auto", one_token_per_seq=one_token)
+        assert relative_error(out[:real], want[:real].astype(jnp.float32)) < 2e-2, one_token
+        assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
 
 
 def _access_ceiling_script():
