@@ -213,12 +213,12 @@ def _column_scales(scales_smem, shape):
 
 
 def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  # int32 metadata
-                      q_ref,  # [W, K, 64, H] gmem, tile-major (see the module docstring)
+                      q_ref,  # [W, K, rows, H] gmem, tile-major, rows = layout.stored_rows (module docstring)
                       k_ref, v_ref,  # [P, R, K, H] gmem (codes, with a quantized cache)
                       *refs, sm_scale, sliding_window, soft_cap, layout, max_pages, num_splits,
                       interpret, quantized):
     # refs: [ks_ref, vs_ref ([P, K, R] f32 gmem), quantized only,]
-    #   o_ref [splits, K, W, 64, H] gmem, lse_ref [splits, K, W, 64] f32 gmem,
+    #   o_ref [splits, K, W, rows, H] gmem, lse_ref [splits, K, W, 64] f32 gmem,
     #   q_smem [64, H] (reused for the output tile once the loop is done), k_smem, v_smem [stages, Bk, H],
     #   lse_smem [64] f32, q_barrier, k_barriers, v_barriers,
     #   [k16_smem, v16_smem [Bk, H] bf16 staging, ks_smem, vs_smem [stages, Bk] f32, quantized only]
@@ -605,7 +605,7 @@ def tile_queries(q, tile_tok0, group: int, kv_heads: int):
 
 
 def decode_queries(q, kv_heads: int, rows: int):
-    """q [T, N, H] -> [T, K, rows, H] for one-token tiles (tile_layout of a decode-like batch): tile w holds
+    """q [T, N, H] -> [T, K, rows, H] for one-token tiles (tile_layout of a decode step): tile w holds
     token w (tile_table lists one tile per token, in token order), its rows the G q heads of each kv head,
     zero-padded to `rows`. A reshape and a small pad, where tile_queries gathers."""
     num_tokens, num_heads, head_dim = q.shape
@@ -647,8 +647,9 @@ def _gather_rows(o_tiles, cu_q_lens, num_seqs, tile_base, num_tokens, group):
 def takes_prefill_kernel(num_tokens: int, num_slots: int, num_heads: int, kv_heads: int, head_dim: int,
                          quantized: bool) -> bool:
     """Whether a call runs `_prefill_kernel` by default: a 16-bit cache, H <= 128, a batch that is mostly
-    prefill (T >= 4 S: many 64-row tiles of short kv walks) and whose 128-row pair tiles alone cover every SM twice (so it needs no
-    flash-decoding splits). Decode-like batches keep the one-warpgroup kernel and its splits."""
+    prefill (T >= 4 S: many 64-row tiles of short kv walks) and whose 128-row pair tiles alone cover every SM
+    twice (so it needs no flash-decoding splits). Decode-like batches keep the one-warpgroup kernel and its
+    splits."""
     if quantized or head_dim > _PREFILL_MAX_HEAD_DIM or num_tokens < 4 * num_slots:
         return False
     tokens_per_tile, _ = tile_rows(num_heads // kv_heads)
@@ -740,9 +741,9 @@ def ragged_paged_attention(
     quantized = isinstance(k_pages, QuantizedPages)
     _check_supported(q, k_pages)
     if warp_specialized is None:
-        warp_specialized = (num_splits is None and stages is None and block_kv is None and not one_token_per_seq
-                            and takes_prefill_kernel(
-            num_tokens, page_indices.shape[0], num_heads, kv_heads, head_dim, quantized))
+        forced = num_splits is not None or stages is not None or block_kv is not None or one_token_per_seq
+        warp_specialized = not forced and takes_prefill_kernel(
+            num_tokens, page_indices.shape[0], num_heads, kv_heads, head_dim, quantized)
     if warp_specialized and (quantized or head_dim > _PREFILL_MAX_HEAD_DIM):
         raise NotImplementedError(
             f"the prefill kernel takes a 16-bit cache and head dims up to {_PREFILL_MAX_HEAD_DIM}, got "
