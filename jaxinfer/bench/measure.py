@@ -165,7 +165,8 @@ def poisson_arrivals(n: int, rate: float | None, seed: int = 0) -> list[float]:
 
 def decode_mbu(llm: Any, cost: ModelCost, batch: int, ctx: int, steps: int, copy_bw: float,
                streamed: bool = False) -> dict[str, Any]:
-    """Prefill `batch` prompts of `ctx` tokens, then time the engine decoding `steps` more tokens for each.
+    """Prefill `batch` prompts of `ctx` tokens, decode two untimed engine calls, then time the engine decoding
+    `steps` more tokens for each.
 
     MBU = (weight bytes + KV bytes attended) per step / step time / copy bandwidth; a step is one token for
     every sequence, whatever the number of engine calls (multi-step decode makes several per call). The
@@ -180,6 +181,14 @@ def decode_mbu(llm: Any, cost: ModelCost, batch: int, ctx: int, steps: int, copy
     def generated() -> int:
         return sum(len(s.seqs[0].token_ids) for s in states)
 
+    # Two untimed calls' worth of tokens first (as many as the requests' room allows): the first executions of a
+    # program at a new shape pay one-time costs (the GPU's CUDA graphs are built then), which a steady-state
+    # step does not.
+    warm = max(0, min(2 * engine.decode_steps_per_call, engine.max_model_len - ctx - steps - 2))
+    warm_end = generated() + warm * batch
+    while generated() < warm_end:
+        engine.step()
+    engine.flush()
     start = [len(s.seqs[0].token_ids) for s in states]  # rows prefilled early are already ahead
     start_tokens, before = sum(start), llm.engine_stats()
     t = time.perf_counter()
