@@ -3,6 +3,7 @@ feeding, and an independent dense float64 NumPy Llama to compare the paged forwa
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 from collections.abc import Callable
@@ -11,6 +12,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from pathlib import Path
 
 from jaxinfer.config import MeshConfig, ModelConfig
 from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
@@ -168,3 +171,12 @@ def step_hlo(engine: Any, num_tokens: int, num_rows: int | None = None) -> str:
     sampler = runner._sample_logits.lower(engine.penalties, logits, *runner.place(
         (inputs.sampling, inputs.slots, inputs.sample_mask)))
     return forward.compile().as_text() + "\n" + sampler.compile().as_text()
+
+
+def load_script(name: str) -> Any:
+    """scripts/<name>.py as a module (the scripts directory is not a package), for tests of its functions."""
+    path = Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module

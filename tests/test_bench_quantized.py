@@ -3,17 +3,11 @@ come from several device calls, each under its time limit) instead of blanking t
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
+from model_helpers import load_script
 
 
 def _bench_quantized():
-    spec = importlib.util.spec_from_file_location("bench_quantized", REPO / "scripts" / "bench_quantized.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_quantized")
 
 
 def test_a_partial_run_keeps_the_rows_and_figures_of_the_run_before() -> None:

@@ -12,6 +12,8 @@ from pathlib import Path
 import jax
 import pytest
 
+from model_helpers import load_script
+
 REPO = Path(__file__).resolve().parents[1]
 
 
@@ -50,11 +52,7 @@ def test_gpu_speedup_on_a_copying_prompt(tmp_path: Path) -> None:
 def test_update_merges_a_run_split_over_two_calls() -> None:
     """`--update`: the GPU run is split over two device calls (k=2,4 then the real model and k=8); the second
     adds its k to the first's curve and recomputes the modelled speedups, keeping both command lines."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("bench_spec_script", REPO / "scripts" / "bench_spec.py")
-    script = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(script)
+    script = load_script("bench_spec")
     alphas = [0.0, 0.8]
     first = {"command": "a", "device": "H100", "shapes": {
         "alphas": alphas, "seconds_per_step": {"plain": {"1": 0.01}, "spec": {"2": {"1": 0.012}}}}}

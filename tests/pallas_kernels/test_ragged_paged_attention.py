@@ -865,19 +865,11 @@ def test_gpu_kernel_takes_quantized_pages(rng, kv_dtype, head_dim, page_size, gr
         assert np.all(np.isfinite(np.asarray(out.astype(jnp.float32))))
 
 
-def _access_ceiling_script():
-    import importlib.util
-    path = Path(__file__).resolve().parents[2] / "scripts" / "attention_access_ceiling.py"
-    spec = importlib.util.spec_from_file_location("attention_access_ceiling", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def _check_copy_kernels(run):
     """scripts/attention_access_ceiling.py's copy-only kernels (the decode kernel's reads without its math): each
     writes the block its pipeline slot 0 held last, so the reads are checked to land where the kernel's would."""
-    script = _access_ceiling_script()
+    from model_helpers import load_script
+    script = load_script("attention_access_ceiling")
     num_seqs, ctx, page = 3, 256, 16  # 4 blocks of 64 positions, 16 pages a sequence
     rng = np.random.default_rng(0)
     k_pages = jnp.asarray(rng.standard_normal((num_seqs * ctx // page + 1, page, 2, 64)), jnp.bfloat16)
