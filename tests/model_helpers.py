@@ -7,13 +7,12 @@ import importlib.util
 import math
 import os
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from pathlib import Path
 
 from jaxinfer.config import MeshConfig, ModelConfig
 from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
