@@ -12,6 +12,10 @@ failing one is logged and the rest still run. Prints a table last and writes JSO
 `--sections ceilings,kv8` times decode attention (64 x 4k, 32-token pages) over a bf16, an int8 and an e4m3
 cache (QuantizedPages), each against the bytes it stores.
 
+`--sections kv_write` times one layer's K write into a Llama-3-8B-sized paged cache (25,192 pages of 16 tokens,
+what the engine holds on an H100) at 2 to 4,096 tokens, as the engine writes it (`models.common._write_values`)
+and as a plain `.at[slots].set` scatter, each in place (the cache donated from call to call).
+
 `--sections ceilings,heads` times our attention kernel alone over head layouts (not in the default
 set): decode 64 x 4k at G = 3, 4, 8, 16 and H = 64, 128, 256 (plus 80 and 96 at G = 3, 4) with 8 kv
 heads, and 4k prefill at G = 3, 4 and H = 64, 128; `ceilings` gives the % of copy bandwidth.
@@ -223,6 +227,46 @@ def bench_quantized_kv(res: Results, num_seqs=64, ctx=4096, page_size=32, heads=
             section, f"ours {name}", time_fn(fn, sets), bytes_moved=kv_bytes))
 
 
+KV_WRITE_TOKENS = (2, 64, 192, 256, 4096)
+
+
+def bench_kv_write(res: Results, num_pages=25_192, page_size=16, heads=LLAMA_HEADS, calls=10):
+    """The engine's cache write against a plain scatter at each token count of KV_WRITE_TOKENS; distinct random
+    slots, the cache donated from call to call so every write is in place."""
+    from jaxinfer.models.common import _write_values
+
+    shape = (num_pages, page_size, heads["kv_heads"], heads["head_dim"])  # [P, R, K, H]
+
+    def plain(pages, x, slots):
+        flat = pages.reshape(-1, *shape[2:])  # [P*R, K, H]
+        return flat.at[slots].set(x).reshape(shape)
+
+    for tokens in KV_WRITE_TOKENS:
+        kx, ks = jax.random.split(jax.random.key(tokens))
+        x = jax.random.normal(kx, (tokens, *shape[2:]), jnp.bfloat16)  # [T, K, H]
+        slots = jax.random.choice(ks, num_pages * page_size, (tokens,), replace=False).astype(jnp.int32)
+        for name, write in (("engine", _write_values), ("plain scatter", plain)):
+            fn = jax.jit(write, donate_argnums=(0,))
+
+            def measure(fn=fn, x=x, slots=slots, name=name, tokens=tokens):
+                state = {"pages": jnp.zeros(shape, jnp.bfloat16)}
+
+                def run():
+                    for _ in range(calls):
+                        state["pages"] = fn(state["pages"], x, slots)
+                    return state["pages"]
+
+                jax.block_until_ready(run())  # compile and warm
+                start = time.perf_counter()
+                jax.block_until_ready(run())
+                wall = (time.perf_counter() - start) / calls
+                source, spans = device_spans(run)
+                device = sum(spans.values()) / 1e3 / calls if source == "device" else wall
+                res.add(f"kv write T={tokens}", name, dict(wall=wall, device=device), bytes_moved=x.nbytes)
+
+            res.run(f"kv write T={tokens}", name, measure)
+
+
 def bench_attention(res: Results, section, num_seqs, ctx, page_size, q_tokens_per_seq,
                     heads=LLAMA_HEADS, baselines=True):
     """Our kernel on one batch shape; with `baselines`, also its tuning variants, the XLA reference
@@ -366,7 +410,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="bench_kernels.json")
     parser.add_argument("--sections", default="ceilings,decode,prefill,matmul",
-                        help="comma-separated: ceilings, decode, prefill, matmul, heads")
+                        help="comma-separated: ceilings, decode, prefill, matmul, heads, kv8, kv_write")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     res = Results()
@@ -384,6 +428,8 @@ def main():
         bench_quantized_kv(res)
     if "heads" in sections:
         bench_head_layouts(res)
+    if "kv_write" in sections:
+        bench_kv_write(res)
     if "matmul" in sections:
         bench_matmuls(res)
     with open(args.out, "w") as f:

@@ -202,6 +202,14 @@ def write_kv(k_pages: Any, v_pages: Any, k: jax.Array, v: jax.Array, slot_mappin
     return _write_pages(k_pages, k, slot_mapping), _write_pages(v_pages, v, slot_mapping)
 
 
+# Every real token owns its slot, and every slot is in bounds (the page table holds allocated pages; padding
+# tokens write to the trash page, where several of them may share a slot whose content nobody reads). Saying so
+# lets XLA drop the scatter's handling of repeated and out-of-bounds indices. One H100, one layer's K write into
+# a Llama-3-8B-sized cache (scripts/bench_kernels.py --sections kv_write): 2.55 -> 2.10 us at 192 tokens,
+# 39.2 -> 6.1 us at 4,096; the batch-64 decode iteration 10.39 -> 10.21 ms (one run each, same lease).
+_SLOT_SCATTER = dict(unique_indices=True, mode="promise_in_bounds")
+
+
 def _write_pages(pages: Any, x: jax.Array, slot_mapping: jax.Array) -> Any:
     if not isinstance(pages, QuantizedPages):
         return _write_values(pages, x.astype(pages.dtype), slot_mapping)
@@ -216,7 +224,7 @@ def _write_values(pages: jax.Array, x: jax.Array, slot_mapping: jax.Array) -> ja
         slot = slot_mapping[0]
         return jax.lax.dynamic_update_slice(pages, x[None], (slot // page_size, slot % page_size, 0, 0))
     flat_shape = (num_pages * page_size, kv_heads, head_dim)  # [P*R, K, H]
-    return pages.reshape(flat_shape).at[slot_mapping].set(x).reshape(pages.shape)
+    return pages.reshape(flat_shape).at[slot_mapping].set(x, **_SLOT_SCATTER).reshape(pages.shape)
 
 
 def _write_scales(scales: jax.Array, s: jax.Array, slot_mapping: jax.Array) -> jax.Array:
@@ -225,7 +233,7 @@ def _write_scales(scales: jax.Array, s: jax.Array, slot_mapping: jax.Array) -> j
     page, offset = slot_mapping // page_size, slot_mapping % page_size  # [T]
     if s.shape[0] == 1:
         return jax.lax.dynamic_update_slice(scales, s.T[None], (page[0], 0, offset[0]))  # [1, K, 1]
-    return scales.at[page, :, offset].set(s)
+    return scales.at[page, :, offset].set(s, **_SLOT_SCATTER)
 
 
 def gather_last_tokens(hidden: jax.Array, logits_indices: jax.Array) -> jax.Array:
