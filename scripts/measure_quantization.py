@@ -20,12 +20,16 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.bench.accuracy import HELD_TEXTS, compare, teacher_forced
 
 MODELS = {"smollm2": "smollm2-135m-instruct", "gemma3": "gemma3-270m"}
-# (label, LLM arguments): the float model first; every other row is compared with it.
+# (label, LLM arguments): the float model first; every other row is compared with it. "bf16 compute" quantizes
+# nothing: the float model's weights and activations in bfloat16, a reference for how far the metric moves under
+# the smallest change a GPU user makes anyway.
 MODES = (
     ("float32", dict(quantization="none")),
+    ("bf16 compute", dict(quantization="none", dtype="bfloat16")),
     ("gguf (auto)", dict(quantization="auto")),
     ("int8", dict(quantization="int8")),
     ("int8 g128", dict(quantization="int8:128")),
+    ("int8 g64", dict(quantization="int8:64")),
     ("int8 g32", dict(quantization="int8:32")),
     ("int4", dict(quantization="int4")),
     ("fp8", dict(quantization="fp8")),
@@ -49,7 +53,7 @@ def tokens_per_second(llm: LLM, n_tokens: int = 32) -> float:
 def measure(model: str, modes: tuple = MODES) -> list[dict]:
     rows, reference = [], None
     for label, kwargs in modes:
-        llm = LLM(model, **ENGINE, **kwargs)
+        llm = LLM(model, **{**ENGINE, **kwargs})
         run = teacher_forced(llm)
         reference = reference or run
         stats = llm.engine_stats()
