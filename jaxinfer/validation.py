@@ -22,7 +22,7 @@ from typing import Any
 
 from jaxinfer.errors import InvalidInput, InvalidInputType
 
-# Static widths of the sampler's per-request arrays (jaxinfer.engine.sampling) and other request limits.
+# Static widths of the sampler's per-request arrays (jaxinfer.engine.sampling_rows) and other request limits.
 MAX_N = 16  # completions per request
 MAX_LOGIT_BIAS = 16  # B: logit_bias entries per request (width of bias_ids/bias_values)
 MAX_STOP_IDS = 8  # E: EOS + stop_token_ids suppressed while fewer than min_tokens are generated

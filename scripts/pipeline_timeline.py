@@ -72,11 +72,11 @@ def _timed(owner: Any, name: str, label: str) -> None:
 
 
 def _time_host_work() -> None:
-    from jaxinfer.engine import decode_loop, engine, grammar, output_path, sampling
+    from jaxinfer.engine import decode_loop, engine, grammar, output_path, sampling_rows
 
     for owner, name in [(engine.Engine, "_sample_inputs"), (engine.Engine, "_grammar_bitmask"),
                         (engine.Engine, "_slot_rows"), (engine.Engine, "_pack"), (engine.Engine, "_forward_inputs"),
-                        (engine.Engine, "_prompt_next_ids"), (sampling.SamplingArrays, "from_params"),
+                        (engine.Engine, "_prompt_next_ids"), (sampling_rows.SamplingArrays, "from_params"),
                         (runner.ModelRunner, "place"), (pipeline.StepPipeline, "_plan_ahead"),
                         (decode_loop.DecodeLoop, "settle"), (output_path.OutputPath, "apply"),
                         (output_path.OutputPath, "emit"), (grammar.GrammarCache, "fill"),

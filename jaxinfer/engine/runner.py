@@ -40,18 +40,15 @@ from jaxinfer.engine.page_table import PageCopy
 from jaxinfer.engine.transfer import Transfer
 from jaxinfer.engine.verify import VerifyInputs, verify, verify_logits
 from jaxinfer.engine.sampling import (
-    MAX_LOGPROBS,
-    PenaltyState,
     PromptLogprobs,
     SamplerOutput,
-    SamplingArrays,
     VocabShards,
     branch_free_applies,
     compute_prompt_logprobs,
     sample,
-    set_rows,
-    update_output_counts,
 )
+from jaxinfer.engine.sampling_rows import PenaltyState, SamplingArrays, set_rows, update_output_counts
+from jaxinfer.validation import MAX_LOGPROBS
 from jaxinfer.kv_cache import KVCache, cache_shardings
 from jaxinfer.models import ModelFamily
 from jaxinfer.models.common import AttentionMetadata, gather_last_tokens

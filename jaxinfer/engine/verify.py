@@ -33,18 +33,17 @@ from jax import lax
 
 from jaxinfer.engine.sampling import (
     GREEDY_EPS,
-    MAX_LOGPROBS,
     NUM_CANDIDATES,
-    PenaltyState,
-    SamplerOutput,
-    SamplingArrays,
-    VocabShards,
     _PRNG_IMPL,
+    SamplerOutput,
+    VocabShards,
     _filter_threshold,
     _gumbel_noise,
     _logprob_outputs,
     process_logits,
 )
+from jaxinfer.engine.sampling_rows import PenaltyState, SamplingArrays
+from jaxinfer.validation import MAX_LOGPROBS
 
 ACCEPT_STREAM = 1  # fold_in(fold_in(key, step), ACCEPT_STREAM): the acceptance uniform of one proposal
 

@@ -16,7 +16,7 @@ import pytest
 from jaxinfer.config import CacheConfig, EngineConfig, SamplingParams
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.runner import DECODE_KINDS
-from jaxinfer.engine.sampling import MAX_STOP_IDS
+from jaxinfer.validation import MAX_STOP_IDS
 import model_helpers
 from model_helpers import run_to_completion
 

@@ -15,20 +15,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.engine.sampling import (
-    MAX_LOGIT_BIAS,
+from jaxinfer.engine.sampling import SamplerOutput, compute_prompt_logprobs, process_logits, sample
+from jaxinfer.engine.sampling_rows import (
     PenaltyState,
-    SamplerOutput,
     SamplingArrays,
-    compute_prompt_logprobs,
-    process_logits,
     resolve_seed,
-    sample,
     seed_key_data,
     set_rows,
     update_output_counts,
     validate_sampling_params,
 )
+from jaxinfer.validation import MAX_LOGIT_BIAS
 
 NUM_DRAWS = 4096  # rows per distribution call
 SMALL_V = 16  # vocabulary of the distribution tests

@@ -16,7 +16,8 @@ import pytest
 from jaxinfer import LLM, InvalidInput, SamplingParams
 from jaxinfer.bench.schemas import CHOICES, LARK_GRAMMAR, REGEX, SCHEMAS
 from jaxinfer.engine.grammar import GrammarCache
-from jaxinfer.engine.sampling import SamplingArrays, sample
+from jaxinfer.engine.sampling import sample
+from jaxinfer.engine.sampling_rows import SamplingArrays
 from jaxinfer.structured import StructuredOutputs
 from tests.serve.conftest import running
 
