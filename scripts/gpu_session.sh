@@ -8,6 +8,8 @@
 #   env          nvidia-smi, JAX devices, Python packages the rest needs
 #   kernels      gpu-marked kernel tests (attention, grouped matmul, quantized matmul, no-copy HLO), except:
 #   attn_groups  the attention kernel at every GQA group size 1..16 x head dims 64/80/96/128/256
+#   kv_write     the paged-cache write alone (bench_kernels' kv_write: the engine's scatter against a plain one, 2-4,096
+#                tokens into a Llama-3-8B-sized layer): $OUT/kv_write.json
 #   heads        attention kernel timing at every GQA group / head dim beside today's shapes
 #   attn_prefill the prefill attention kernel: its gpu-marked tests, then bench_kernels' prefill section (ours, the
 #                one-warpgroup kernel and JAX's attention_mgpu at Llama-3-8B and Qwen3-30B-A3B heads)
@@ -133,6 +135,8 @@ for section in "$@"; do
     attn_access)
       run attn_access_test 120 python3 -m pytest -q -m gpu -k access_ceiling tests/pallas_kernels/test_ragged_paged_attention.py
       run attn_access 300 python3 scripts/attention_access_ceiling.py --out "$OUT/attn_access.json" ;;
+    kv_write)
+      run kv_write 150 python3 scripts/bench_kernels.py --sections kv_write --out "$OUT/kv_write.json" ;;
     heads)
       run heads 400 python3 scripts/bench_kernels.py --sections ceilings,decode,heads --out "$OUT/bench_heads.json" ;;
     gmm)
