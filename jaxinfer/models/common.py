@@ -206,7 +206,7 @@ def write_kv(k_pages: Any, v_pages: Any, k: jax.Array, v: jax.Array, slot_mappin
 # tokens write to the trash page, where several of them may share a slot whose content nobody reads). Saying so
 # lets XLA drop the scatter's handling of repeated and out-of-bounds indices. One H100, one layer's K write into
 # a Llama-3-8B-sized cache (scripts/bench_kernels.py --sections kv_write): 2.55 -> 2.10 us at 192 tokens,
-# 39.2 -> 6.1 us at 4,096; the batch-64 decode iteration 10.39 -> 10.21 ms (one run each, same lease).
+# 39.2 -> 6.1 us at 4,096; in the engine's decode step, ~0.04 ms of its kernels (docs/PERFORMANCE.md).
 _SLOT_SCATTER = dict(unique_indices=True, mode="promise_in_bounds")
 
 
