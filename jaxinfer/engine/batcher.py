@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from jaxinfer.engine.runner import StepBatch
+from jaxinfer.engine.step_io import StepBatch
 from jaxinfer.models.common import AttentionMetadata
 
 MIN_TOKEN_BUCKET = 16  # below this, padding costs less than another compiled shape

@@ -39,7 +39,7 @@ import numpy as np
 from jaxinfer.engine.batcher import BatchShape
 from jaxinfer.engine.page_table import PageCopy
 from jaxinfer.engine.request import RequestState
-from jaxinfer.engine.runner import DecodeInputs, MultiStepOutput, SampleInputs, StepBatch
+from jaxinfer.engine.step_io import DecodeInputs, MultiStepOutput, SampleInputs, StepBatch
 from jaxinfer.engine.sampling import SamplerOutput
 from jaxinfer.engine.sampling_rows import PenaltyState
 from jaxinfer.validation import MAX_STOP_IDS

@@ -26,7 +26,8 @@ import jax.numpy as jnp
 from flax import struct
 
 from jaxinfer.engine.page_table import PageCopy
-from jaxinfer.engine.runner import ModelRunner, StepBatch, decode_metadata
+from jaxinfer.engine.runner import ModelRunner, decode_metadata
+from jaxinfer.engine.step_io import StepBatch
 from jaxinfer.engine.sampling import GREEDY_EPS, _PRNG_IMPL
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.models.common import gather_last_tokens

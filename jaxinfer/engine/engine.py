@@ -37,7 +37,8 @@ from jaxinfer.engine.logprobs import TokenTexts
 from jaxinfer.engine.output_path import OutputPath
 from jaxinfer.engine.pipeline import StepPipeline
 from jaxinfer.engine.request import RequestState, SeqOutput
-from jaxinfer.engine.runner import DecodeInputs, ModelRunner, SampleInputs, StepBatch
+from jaxinfer.engine.runner import ModelRunner
+from jaxinfer.engine.step_io import DecodeInputs, SampleInputs, StepBatch
 from jaxinfer.engine.sampling_rows import PenaltyState, SamplingArrays, resolve_seed, set_rows, unconstrained_bitmask
 from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
 from jaxinfer.engine.speculative import Speculator

@@ -38,7 +38,7 @@ import numpy as np
 from jaxinfer.engine.batcher import BatchShape
 from jaxinfer.engine.decode_loop import HANDOFF_SWITCH_INTERVAL_S
 from jaxinfer.engine.page_table import TRASH_PAGE, PageCopy
-from jaxinfer.engine.runner import SampleInputs, StepBatch, StepLogits
+from jaxinfer.engine.step_io import SampleInputs, StepBatch, StepLogits
 from jaxinfer.engine.sampling import PromptLogprobs, SamplerOutput
 from jaxinfer.engine.sampling_rows import PenaltyState
 from jaxinfer.engine.scheduler import ScheduledSeq, StepPlan

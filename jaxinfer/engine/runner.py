@@ -28,14 +28,13 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from flax import struct
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxinfer.attention import make_attention_fn
 from jaxinfer.expert_parallel import make_moe_fn
 from jaxinfer.config import ModelConfig
 from jaxinfer.engine.aot import CompiledPrograms
+from jaxinfer.engine.page_copies import PAGE_COPY_WIDTH, copy_pages, page_copy_arrays
 from jaxinfer.engine.page_table import PageCopy
 from jaxinfer.engine.transfer import Transfer
 from jaxinfer.engine.verify import VerifyInputs, verify, verify_logits
@@ -48,6 +47,15 @@ from jaxinfer.engine.sampling import (
     sample,
 )
 from jaxinfer.engine.sampling_rows import PenaltyState, SamplingArrays, set_rows, update_output_counts
+from jaxinfer.engine.step_io import (
+    DecodeInputs,
+    MultiStepOutput,
+    SampleInputs,
+    StepBatch,
+    StepLogits,
+    StepOutput,
+    VerifyStepOutput,
+)
 from jaxinfer.validation import MAX_LOGPROBS
 from jaxinfer.kv_cache import KVCache, cache_shardings
 from jaxinfer.models import ModelFamily
@@ -62,8 +70,6 @@ from pallas_kernels.ragged_paged_attention import resolve_impl
 
 
 PROMPT_LOGPROB_CHUNK = 256  # positions whose full-vocabulary logits exist at once
-# Page copies per call of the copy program (`ModelRunner.copy_pages`); a step that has more makes more calls.
-PAGE_COPY_WIDTH = 16
 
 # XLA's GPU backend records runs of kernels as CUDA graphs ("command buffers") and, when a call's input buffers
 # sit at new addresses, updates every graph node that reads them before launching. The single-step programs get
@@ -86,66 +92,6 @@ SMALL_FORWARD_OPTIONS = {**NO_COMMAND_BUFFERS, **MERGED_DOTS}
 # too, keeping its CUDA graphs. On an H100, Llama-3-8B at batch 1, alternating processes with and without the
 # merge (scripts/ab_xla_flags.py): one iteration 6.05 -> 5.97 ms on the device, 6.22 / 6.17 -> 6.06 / 6.05 ms a
 # token end to end.
-
-
-@struct.dataclass
-class StepBatch:
-    """One step's device inputs, padded to a bucket (T tokens, S sequences, M page-table width)."""
-
-    token_ids: jax.Array  # [T] int32
-    md: AttentionMetadata
-    logits_indices: jax.Array  # [S] int32: row of each sequence's last token in this step
-
-
-@struct.dataclass
-class SampleInputs:
-    """Everything besides the model batch that one engine step needs on device."""
-
-    sampling: SamplingArrays  # [S, ...] per-row knobs
-    slots: jax.Array  # [S] int32 penalty-state slot of each row (padding rows: the spare last slot)
-    sample_mask: jax.Array  # [S] bool: rows whose token is kept (real rows at a sampling point)
-    prompt_next_ids: jax.Array  # [T] int32 next prompt token of each position (for prompt logprobs)
-    want_prompt_logprobs: jax.Array  # [] bool: compute logits for every token this step
-
-
-class StepLogits(NamedTuple):
-    """What the forward half of a step leaves on device for the sampler (and the prompt-logprob program)."""
-
-    logits: jax.Array  # [S, V] float32
-    hidden: jax.Array  # [T, D] the final hidden state of every position, for steps that ask for prompt logprobs
-    expert_counts: jax.Array  # [E] int32 ([0] for dense models)
-
-
-class StepOutput(NamedTuple):
-    sampled: SamplerOutput  # [S] tokens and logprobs
-    prompt: PromptLogprobs | None  # [T] prompt logprobs; on the host only in steps that asked for them
-    expert_counts: jax.Array | None = None  # [E] int32 (token, expert) pairs per expert over the MoE layers
-
-
-@struct.dataclass
-class DecodeInputs:
-    """What the multi-step loop needs beyond the first iteration's batch (whose T equals S: one token a row)."""
-
-    budget: jax.Array  # [S] int32 tokens each row may still generate (max_tokens, max_model_len); 0: padding
-    stop_ids: jax.Array  # [S, E] int32 ids that end a row once min_tokens are out, padded with -1
-    num_steps: jax.Array  # [] int32 iterations to run, <= max_steps (bounded by the rows' page room)
-    # [S] bool: the rows the previous call left generating, when this call continues it before the host has
-    # seen that call's tokens (Engine's overlapped decode); all True for a call planned from host state.
-    alive: jax.Array
-
-
-class MultiStepOutput(NamedTuple):
-    sampled: SamplerOutput  # [N, S] per iteration
-    valid: jax.Array  # [N, S] bool: the row sampled a real token in this iteration
-    next_tokens: jax.Array  # [S] int32 each row's input token for a call that continues this one
-    alive: jax.Array  # [S] bool rows still generating after this call (not stopped, budget left)
-    expert_counts: jax.Array | None = None  # [E] int32 summed over the call's iterations ([0] for dense models)
-
-
-class VerifyStepOutput(NamedTuple):
-    sampled: SamplerOutput  # [S, K + 1] emitted tokens (accepted proposals, then one more) and their logprobs
-    num_emitted: jax.Array  # [S] int32 accepted proposals + 1
-    expert_counts: jax.Array | None = None  # [E] int32 ([0] for dense models)
 
 
 class _DecodeCarry(NamedTuple):
@@ -530,33 +476,6 @@ DECODE_KINDS = ("decode", "small_decode")
 def decode_kind(num_rows: int) -> str:
     """The entry point of a multi-step decode call over a bucket of `num_rows` rows (see MERGED_DOTS)."""
     return "small_decode" if num_rows <= MERGED_DOTS_MAX_TOKENS else "decode"
-
-
-def page_copy_arrays(copies: Sequence[PageCopy]) -> tuple[np.ndarray, np.ndarray]:
-    """At most PAGE_COPY_WIDTH (src, dst) copies as two [PAGE_COPY_WIDTH] int32 arrays, padded with 0 -> 0 (the
-    trash page onto itself), so one program serves every call."""
-    src, dst = np.zeros(PAGE_COPY_WIDTH, np.int32), np.zeros(PAGE_COPY_WIDTH, np.int32)
-    for i, (s, d) in enumerate(copies):
-        src[i], dst[i] = s, d
-    return src, dst
-
-
-def page_copy_call() -> tuple[str, tuple[Any, ...], dict[str, Any]]:
-    """The copy program as `ModelRunner.precompile` takes it (warmup compiles it with the steps)."""
-    return "copy", page_copy_arrays(()), {}
-
-
-def copy_pages(kv_cache: KVCache, src: jax.Array, dst: jax.Array) -> KVCache:
-    """Copy-on-write: page dst <- page src in every layer (reads all happen before writes); every leaf has
-    pages first, so quantized pages copy their per-token scales with their values."""
-    return jax.tree.map(lambda a: _copy_leaf_pages(a, src, dst), kv_cache)
-
-
-@jax.jit
-def _copy_leaf_pages(pages: jax.Array, src: jax.Array, dst: jax.Array) -> jax.Array:
-    # Jitted so that the 2 x layers leaves of one shape trace once per program (as models.common.layer_program
-    # does for the layers); XLA inlines it, and the update stays in place in the donated cache.
-    return pages.at[dst].set(pages[src])
 
 
 def decode_metadata(

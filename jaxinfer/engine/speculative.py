@@ -36,7 +36,7 @@ import numpy as np
 from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
 from jaxinfer.engine.draft import DraftInputs, DraftRunner
 from jaxinfer.engine.ngram import propose_ngram
-from jaxinfer.engine.runner import page_copy_call
+from jaxinfer.engine.page_copies import page_copy_call
 from jaxinfer.engine.scheduler import ScheduledSeq, StepPlan
 from jaxinfer.engine.sequence import SeqKey
 from jaxinfer.engine.verify import VerifyInputs

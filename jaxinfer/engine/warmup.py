@@ -27,7 +27,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 
 from jaxinfer.engine.batcher import MIN_TOKEN_BUCKET
-from jaxinfer.engine.runner import decode_kind, forward_kind, page_copy_call
+from jaxinfer.engine.page_copies import page_copy_call
+from jaxinfer.engine.runner import decode_kind, forward_kind
 
 if TYPE_CHECKING:
     from jaxinfer.engine.engine import Engine

@@ -11,7 +11,7 @@ import numpy as np
 from jaxinfer.config import CacheConfig, EngineConfig
 from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.page_table import PageCopy
-from jaxinfer.engine.runner import PAGE_COPY_WIDTH
+from jaxinfer.engine.page_copies import PAGE_COPY_WIDTH
 from model_helpers import build_runner, step_hlo, tiny_config
 
 NUM_PAGES = 48
