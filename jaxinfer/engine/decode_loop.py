@@ -43,7 +43,7 @@ from jaxinfer.engine.step_io import DecodeInputs, MultiStepOutput, SampleInputs,
 from jaxinfer.engine.sampling import SamplerOutput
 from jaxinfer.engine.sampling_rows import PenaltyState
 from jaxinfer.validation import MAX_STOP_IDS
-from jaxinfer.engine.scheduler import ScheduledSeq, StepPlan
+from jaxinfer.engine.step_plan import ScheduledSeq, StepPlan
 from jaxinfer.outputs import RequestOutput
 
 if TYPE_CHECKING:

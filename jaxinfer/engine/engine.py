@@ -40,7 +40,8 @@ from jaxinfer.engine.request import RequestState, SeqOutput
 from jaxinfer.engine.runner import ModelRunner
 from jaxinfer.engine.step_io import DecodeInputs, SampleInputs, StepBatch
 from jaxinfer.engine.sampling_rows import PenaltyState, SamplingArrays, resolve_seed, set_rows, unconstrained_bitmask
-from jaxinfer.engine.scheduler import ScheduledSeq, Scheduler, StepPlan
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.step_plan import ScheduledSeq, StepPlan
 from jaxinfer.engine.speculative import Speculator
 from jaxinfer.engine.sequence import FinishReason, SequenceGroup
 from jaxinfer.outputs import RequestOutput

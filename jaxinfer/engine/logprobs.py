@@ -13,7 +13,7 @@ from typing import Any
 
 from jaxinfer.engine.request import RequestState
 from jaxinfer.engine.sampling import PromptLogprobs, SamplerOutput
-from jaxinfer.engine.scheduler import ScheduledSeq
+from jaxinfer.engine.step_plan import ScheduledSeq
 from jaxinfer.outputs import Logprob
 
 TokenText = Callable[[int], str | None]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 from jaxinfer.engine.logprobs import collect_prompt_logprobs, sample_logprobs
 from jaxinfer.engine.request import RequestState
 from jaxinfer.engine.sampling import PromptLogprobs, SamplerOutput
-from jaxinfer.engine.scheduler import ScheduledSeq, StepPlan
+from jaxinfer.engine.step_plan import ScheduledSeq, StepPlan
 from jaxinfer.engine.sequence import FinishReason, SeqKey
 from jaxinfer.outputs import Logprob, RequestOutput
 from jaxinfer.validation import RequestOutputKind

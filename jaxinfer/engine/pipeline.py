@@ -41,7 +41,7 @@ from jaxinfer.engine.page_table import TRASH_PAGE, PageCopy
 from jaxinfer.engine.step_io import SampleInputs, StepBatch, StepLogits
 from jaxinfer.engine.sampling import PromptLogprobs, SamplerOutput
 from jaxinfer.engine.sampling_rows import PenaltyState
-from jaxinfer.engine.scheduler import ScheduledSeq, StepPlan
+from jaxinfer.engine.step_plan import ScheduledSeq, StepPlan
 from jaxinfer.outputs import RequestOutput
 
 if TYPE_CHECKING:

@@ -30,12 +30,11 @@ from __future__ import annotations
 import bisect
 import heapq
 from collections.abc import Collection, Mapping
-from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from jaxinfer.engine.page_table import PageAllocator, PageCopy, OutOfPages, pages_for_tokens, reserve_slots
 from jaxinfer.engine.prefix_cache import PrefixCache
 from jaxinfer.engine.sequence import FinishReason, SeqKey, Sequence, SequenceGroup, SequenceStatus
+from jaxinfer.engine.step_plan import PlanBuilder, ScheduledSeq, StepPlan
 from jaxinfer.errors import InvalidInput
 
 _QUEUED = (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
@@ -43,108 +42,6 @@ _QUEUED = (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
 
 class RequestRejected(InvalidInput):
     """The request can never run under this scheduler's limits; the other requests are unaffected."""
-
-
-class ScheduledSeq(NamedTuple):
-    """One sequence's share of a step (a NamedTuple: immutable and cheap to build hundreds of per step).
-
-    key:        (request_id, seq index).
-    token_ids:  the new tokens to run this step; their KV is written at positions start_pos .. kv_len - 1.
-    start_pos:  absolute position of token_ids[0] (= tokens already in the cache for this sequence).
-    page_ids:   the sequence's page table after this step's growth; covers kv_len positions (len ==
-                ceil(kv_len / page_size)), or more where pages were reserved ahead for multi-step decode;
-                never contains the trash page 0. Pad with 0 to width M.
-    kv_len:     total KV length after the step (start_pos + len(token_ids)); ARCHITECTURE.md's kv_lens[s].
-    sample:     whether the logits of the last new token are sampled into a token for this sequence
-                (true for decodes and for the chunk that reaches the end of prompt + recomputed output).
-    num_draft:  speculative proposals appended to a decode (the engine's speculator adds them): token_ids is
-                the last token then num_draft proposals, and ``update`` takes the tokens the step emitted
-                (accepted proposals, then one more) and rolls back the KV of the rejected ones.
-    """
-
-    key: SeqKey
-    token_ids: tuple[int, ...]
-    start_pos: int
-    page_ids: tuple[int, ...]
-    kv_len: int
-    sample: bool
-    num_draft: int = 0
-
-    @property
-    def num_new_tokens(self) -> int:
-        return len(self.token_ids)
-
-
-@dataclass(frozen=True, slots=True)
-class StepPlan:
-    """What the batcher runs in one step, and what the engine reports back through ``Scheduler.update``.
-
-    seqs:               scheduled sequences: decodes first, then prefill chunks, then newly admitted requests.
-    page_copies:        copy-on-write (src, dst) page copies; the device applies them before writing any KV of
-                        this step (either in list order or all reads before all writes: both are correct).
-    preempted:          keys preempted by recompute this step; their earlier KV is gone and they are queued.
-    num_batched_tokens: sum of len(token_ids); never above max_num_batched_tokens.
-    """
-
-    seqs: tuple[ScheduledSeq, ...]
-    page_copies: tuple[PageCopy, ...]
-    preempted: tuple[SeqKey, ...]
-    num_batched_tokens: int
-
-    @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
-
-@dataclass(slots=True)
-class _Chunk:
-    num_new: int
-    copies: list[PageCopy]
-    decode: bool
-
-
-@dataclass(slots=True)
-class _PlanBuilder:
-    """Collects one step's chunks; a chunk can be withdrawn when its sequence is preempted later in the step."""
-
-    budget_left: int
-    chunks: dict[Sequence, _Chunk] = field(default_factory=dict)  # insertion order is plan order
-    preempted: list[SeqKey] = field(default_factory=list)
-    decodes: int = 0  # decoding rows (one token each): each waits for the whole step, prefill chunks included
-
-    def __contains__(self, seq: Sequence) -> bool:
-        return seq in self.chunks
-
-    def add(self, seq: Sequence, num_new: int, copies: list[PageCopy], decode: bool = False) -> None:
-        self.chunks[seq] = _Chunk(num_new, copies, decode)
-        self.budget_left -= num_new
-        self.decodes += decode
-
-    def drop(self, seq: Sequence) -> None:
-        chunk = self.chunks.pop(seq, None)
-        if chunk is not None:
-            self.budget_left += chunk.num_new
-            self.decodes -= chunk.decode
-
-    def build(self) -> StepPlan:
-        seqs: list[ScheduledSeq] = []
-        copies: list[PageCopy] = []
-        for seq, chunk in self.chunks.items():
-            start = seq.num_computed_tokens
-            end = start + chunk.num_new
-            seqs.append(
-                ScheduledSeq(
-                    key=seq.key,
-                    token_ids=tuple(seq.token_ids[start:end]),
-                    start_pos=start,
-                    page_ids=tuple(seq.page_ids),
-                    kv_len=end,
-                    sample=end == seq.num_tokens,
-                )
-            )
-            copies.extend(chunk.copies)
-        total = sum(c.num_new for c in self.chunks.values())
-        return StepPlan(tuple(seqs), tuple(copies), tuple(self.preempted), total)
 
 
 def _order(seq: Sequence) -> tuple[int, float, int, int]:
@@ -249,7 +146,7 @@ class Scheduler:
         return keys
 
     def schedule(self) -> StepPlan:
-        builder = _PlanBuilder(self.max_num_batched_tokens)
+        builder = PlanBuilder(self.max_num_batched_tokens)
         self._schedule_running(builder, decodes=True)
         self._schedule_running(builder, decodes=False)
         if not builder.preempted and not self.hold_admission:
@@ -296,7 +193,7 @@ class Scheduler:
     def drop_all_kv(self) -> list[SeqKey]:
         """The device's KV cache was lost (a failed device call): every running sequence is preempted, to
         recompute its KV when readmitted, and the prefix cache forgets every page. Returns the preempted keys."""
-        builder = _PlanBuilder(0)
+        builder = PlanBuilder(0)
         for seq in list(self._running):
             self._preempt(seq, builder)
         if self.prefix_cache is not None:
@@ -423,7 +320,7 @@ class Scheduler:
 
     # -------------------------------------------------------------------------------------- scheduling
 
-    def _schedule_running(self, builder: _PlanBuilder, *, decodes: bool) -> None:
+    def _schedule_running(self, builder: PlanBuilder, *, decodes: bool) -> None:
         for seq in list(self._running):
             if builder.budget_left == 0:
                 return
@@ -435,7 +332,7 @@ class Scheduler:
             if num_new := self._chunk(remaining, builder):  # 0: the step's prefill cap is used up
                 self._schedule_or_preempt(builder, seq, num_new, decode=remaining == 1)
 
-    def _schedule_or_preempt(self, builder: _PlanBuilder, seq: Sequence, num_new: int, decode: bool) -> None:
+    def _schedule_or_preempt(self, builder: PlanBuilder, seq: Sequence, num_new: int, decode: bool) -> None:
         """Reserve pages for ``num_new`` tokens, preempting the least urgent running sequences as needed."""
         while True:
             try:
@@ -449,7 +346,7 @@ class Scheduler:
             builder.add(seq, num_new, copies, decode)
             return
 
-    def _try_schedule(self, builder: _PlanBuilder, seq: Sequence) -> bool:
+    def _try_schedule(self, builder: PlanBuilder, seq: Sequence) -> bool:
         """Schedule the next chunk of ``seq`` if budget and free pages allow, without preempting anyone."""
         num_new = self._chunk(self._prefill_target(seq) - seq.num_computed_tokens, builder)
         if num_new <= 0:
@@ -461,14 +358,14 @@ class Scheduler:
         builder.add(seq, num_new, copies)
         return True
 
-    def _admit_waiting(self, builder: _PlanBuilder) -> None:
+    def _admit_waiting(self, builder: PlanBuilder) -> None:
         # Strict (priority, arrival) order: if the head does not fit, nothing behind it may overtake it.
         while builder.budget_left > 0 and self._prefill_room(builder) != 0:
             seq = self._peek_waiting()
             if seq is None or not self._try_admit(seq, builder):
                 return
 
-    def _try_admit(self, seq: Sequence, builder: _PlanBuilder) -> bool:
+    def _try_admit(self, seq: Sequence, builder: PlanBuilder) -> bool:
         slots = self._groups[seq.request_id].n if self._fork_pending(seq) else 1
         if len(self._running) + self._reserved_slots + slots > self.max_num_seqs:
             return False
@@ -513,7 +410,7 @@ class Scheduler:
     def _fork_pending(self, seq: Sequence) -> bool:
         return seq.index == 0 and not self._groups[seq.request_id].forked
 
-    def _chunk(self, remaining: int, builder: _PlanBuilder) -> int:
+    def _chunk(self, remaining: int, builder: PlanBuilder) -> int:
         """Tokens of a sequence's `remaining` to run this step: what the budget leaves, and for a prefill at most
         long_prefill_token_threshold and what the step's mixed prefill cap leaves (decodes are scheduled first;
         a decode's one token is never held back)."""
@@ -525,7 +422,7 @@ class Scheduler:
                 num_new = min(num_new, room)
         return num_new
 
-    def _prefill_room(self, builder: _PlanBuilder) -> int | None:
+    def _prefill_room(self, builder: PlanBuilder) -> int | None:
         """Prefill tokens this step may still take under mixed_prefill_token_cap; None when it does not apply."""
         if not self.mixed_prefill_token_cap or not 0 < builder.decodes <= self.mixed_prefill_max_decodes:
             return None
@@ -551,7 +448,7 @@ class Scheduler:
             child.status = SequenceStatus.RUNNING
             bisect.insort(self._running, child, key=_order)
 
-    def _preempt(self, seq: Sequence, builder: _PlanBuilder) -> None:
+    def _preempt(self, seq: Sequence, builder: PlanBuilder) -> None:
         builder.drop(seq)
         self._running.remove(seq)
         if self._fork_pending(seq):

@@ -37,7 +37,7 @@ from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
 from jaxinfer.engine.draft import DraftInputs, DraftRunner
 from jaxinfer.engine.ngram import propose_ngram
 from jaxinfer.engine.page_copies import page_copy_call
-from jaxinfer.engine.scheduler import ScheduledSeq, StepPlan
+from jaxinfer.engine.step_plan import ScheduledSeq, StepPlan
 from jaxinfer.engine.sequence import SeqKey
 from jaxinfer.engine.verify import VerifyInputs
 from jaxinfer.outputs import RequestOutput

@@ -22,7 +22,7 @@ from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
 from jaxinfer.engine.engine import Engine
 from jaxinfer.validation import MAX_N
 from jaxinfer.engine.runner import ModelRunner
-from jaxinfer.engine.scheduler import StepPlan
+from jaxinfer.engine.step_plan import StepPlan
 from jaxinfer.outputs import FinishReason, RequestOutput
 import model_helpers
 from model_helpers import run_to_completion

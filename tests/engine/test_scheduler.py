@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from jaxinfer.engine.page_table import TRASH_PAGE, pages_for_tokens
-from jaxinfer.engine.scheduler import RequestRejected, Scheduler, StepPlan
+from jaxinfer.engine.scheduler import RequestRejected, Scheduler
+from jaxinfer.engine.step_plan import StepPlan
 from jaxinfer.engine.sequence import FinishReason, SeqKey, SequenceGroup, SequenceStatus
 
 # ------------------------------------------------------------------------------------------ fake model

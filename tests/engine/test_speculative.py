@@ -22,7 +22,8 @@ from jaxinfer.engine.engine import Engine
 from jaxinfer.engine.ngram import propose_ngram
 from jaxinfer.engine.page_table import pages_for_tokens
 from jaxinfer.engine.runner import DECODE_KINDS, ModelRunner
-from jaxinfer.engine.scheduler import Scheduler, StepPlan
+from jaxinfer.engine.scheduler import Scheduler
+from jaxinfer.engine.step_plan import StepPlan
 from jaxinfer.engine.sequence import SequenceGroup
 from jaxinfer.engine.speculative import EXPLORE_EVERY, SpecCostModel, expected_tokens
 from jaxinfer.kv_cache import allocate_kv_cache
