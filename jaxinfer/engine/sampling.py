@@ -58,7 +58,7 @@ import numpy as np
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec
 
-from jaxinfer.engine.sampling_rows import PenaltyState, SamplingArrays, _unpack_bits
+from jaxinfer.engine.sampling_rows import PenaltyState, SamplingArrays, unpack_token_bits
 from jaxinfer.validation import MAX_LOGPROBS
 
 
@@ -124,7 +124,7 @@ def _apply_bitmask(x: jax.Array, bitmask: jax.Array, branch_free: bool = False) 
     bit (`lax.cond`), so batches without structured output pay one [S, V/32] comparison."""
 
     def restrict() -> jax.Array:
-        allowed = _unpack_bits(lax.bitcast_convert_type(bitmask, jnp.uint32), x.shape[1])  # [S, V]
+        allowed = unpack_token_bits(lax.bitcast_convert_type(bitmask, jnp.uint32), x.shape[1])  # [S, V]
         return jnp.where(allowed, x, -jnp.inf)  # [S, V]
 
     return _when(jnp.any(bitmask != -1), restrict, lambda: x, branch_free)
@@ -168,7 +168,7 @@ def _apply_penalties(x: jax.Array, arrays: SamplingArrays, penalties: PenaltySta
     OpenAI frequency (per occurrence) and presence (once) penalties over the output only."""
     counts = penalties.output_counts  # [S, V] i32
     in_output = counts > 0  # [S, V]
-    seen = _unpack_bits(penalties.prompt_bits, x.shape[1]) | in_output  # [S, V]
+    seen = unpack_token_bits(penalties.prompt_bits, x.shape[1]) | in_output  # [S, V]
     rep = jnp.where(seen, arrays.repetition_penalty[:, None], 1.0)  # [S, V]
     x = jnp.where(x > 0, x / rep, x * rep)  # [S, V]
     x = x - arrays.frequency_penalty[:, None] * counts.astype(jnp.float32)  # [S, V]

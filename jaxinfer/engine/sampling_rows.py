@@ -286,8 +286,8 @@ def pack_token_bits(tokens: Sequence[int], vocab_size: int) -> np.ndarray:
     return np.packbits(present, bitorder="little").view("<u4").astype(np.uint32)  # [W]
 
 
-def _unpack_bits(bits: jax.Array, vocab_size: int) -> jax.Array:
-    """[S, W] u32 -> [S, V] bool; elementwise shifts, no gather."""
+def unpack_token_bits(bits: jax.Array, vocab_size: int) -> jax.Array:
+    """pack_token_bits undone on device, row by row: [S, W] u32 -> [S, V] bool; elementwise shifts, no gather."""
     shifts = jnp.arange(_BITS, dtype=jnp.uint32)  # [32]
     flags = (bits[:, :, None] >> shifts) & 1  # [S, W, 32]
     return flags.reshape(bits.shape[0], -1)[:, :vocab_size].astype(bool)  # [S, V]
