@@ -2,8 +2,9 @@
 
 Every per-request knob lives in `SamplingArrays` as an array row, so changing any value never recompiles
 (DESIGN rule 3). The rows' state (`SamplingArrays`, the penalties' `PenaltyState`, seeds) and its host builders
-are `jaxinfer.engine.sampling_rows`; this module is the device pass that reads them. Shapes are static: S is the padded number of sequences; padding rows are greedy with
-every knob off, so they cost nothing and touch nothing.
+are `jaxinfer.engine.sampling_rows`; this module is the device pass that reads them. Shapes are static: S is
+the padded number of sequences; padding rows are greedy with every knob off, so they cost nothing and touch
+nothing.
 
 Order inside `sample` (vLLM semantics unless noted):
   logit bias -> repetition/presence/frequency penalties -> min_tokens suppression of stop ids
