@@ -230,9 +230,10 @@ def bench_quantized_kv(res: Results, num_seqs=64, ctx=4096, page_size=32, heads=
 KV_WRITE_TOKENS = (2, 64, 192, 256, 4096)
 
 
-def bench_kv_write(res: Results, num_pages=25_192, page_size=16, heads=LLAMA_HEADS, calls=10):
+def bench_kv_write(res: Results, num_pages=25_192, page_size=16, heads=LLAMA_HEADS):
     """The engine's cache write against a plain scatter at each token count of KV_WRITE_TOKENS; distinct random
-    slots, the cache donated from call to call so every write is in place."""
+    slots, the cache donated from call to call (each call writes into the last one's result) so every write is
+    in place."""
     from jaxinfer.models.common import _write_values
 
     shape = (num_pages, page_size, heads["kv_heads"], heads["head_dim"])  # [P, R, K, H]
@@ -246,25 +247,15 @@ def bench_kv_write(res: Results, num_pages=25_192, page_size=16, heads=LLAMA_HEA
         x = jax.random.normal(kx, (tokens, *shape[2:]), jnp.bfloat16)  # [T, K, H]
         slots = jax.random.choice(ks, num_pages * page_size, (tokens,), replace=False).astype(jnp.int32)
         for name, write in (("engine", _write_values), ("plain scatter", plain)):
-            fn = jax.jit(write, donate_argnums=(0,))
+            donated = jax.jit(write, donate_argnums=(0,))
+            state = {"pages": jnp.zeros(shape, jnp.bfloat16)}
 
-            def measure(fn=fn, x=x, slots=slots, name=name, tokens=tokens):
-                state = {"pages": jnp.zeros(shape, jnp.bfloat16)}
+            def chained(donated=donated, state=state, x=x, slots=slots):
+                state["pages"] = donated(state["pages"], x, slots)
+                return state["pages"]
 
-                def run():
-                    for _ in range(calls):
-                        state["pages"] = fn(state["pages"], x, slots)
-                    return state["pages"]
-
-                jax.block_until_ready(run())  # compile and warm
-                start = time.perf_counter()
-                jax.block_until_ready(run())
-                wall = (time.perf_counter() - start) / calls
-                source, spans = device_spans(run)
-                device = sum(spans.values()) / 1e3 / calls if source == "device" else wall
-                res.add(f"kv write T={tokens}", name, dict(wall=wall, device=device), bytes_moved=x.nbytes)
-
-            res.run(f"kv write T={tokens}", name, measure)
+            res.run(f"kv write T={tokens}", name, lambda chained=chained, name=name, tokens=tokens, x=x: res.add(
+                f"kv write T={tokens}", name, time_fn(chained, [()]), bytes_moved=x.nbytes))
 
 
 def bench_attention(res: Results, section, num_seqs, ctx, page_size, q_tokens_per_seq,

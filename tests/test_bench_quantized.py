@@ -6,12 +6,8 @@ from __future__ import annotations
 from model_helpers import load_script
 
 
-def _bench_quantized():
-    return load_script("bench_quantized")
-
-
 def test_a_partial_run_keeps_the_rows_and_figures_of_the_run_before() -> None:
-    merge = _bench_quantized().merge_section
+    merge = load_script("bench_quantized").merge_section
     first = {"by_format": {"bf16": {"step_ms": 6.6}, "int8": {"step_ms": 4.8, "speedup_over_bf16": 1.39}},
              "decode_b1_int8_speedup": 1.39, "decode_b1_int4_speedup": None, "section_s": 100.0}
     second = {"by_format": {"bf16": {"step_ms": 6.1}, "int4": {"step_ms": 4.1, "speedup_over_bf16": 1.48}},
