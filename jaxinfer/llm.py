@@ -31,6 +31,7 @@ from jaxinfer.kv_cache import allocate_kv_cache, bytes_per_page, kv_storage
 from jaxinfer.llm_args import DTYPE_NAMES, LLMArgs, check_model_limits, resolve_llm_args, resolve_model_name
 from jaxinfer.linear import Linear
 from jaxinfer.models import family_for_config, with_linear
+from jaxinfer.models.fused import fuse_projections
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.params import init_params, nbytes
 from jaxinfer.platform import FIELDS as PLATFORM_FIELDS, announce, default_quantization, fill_defaults, fit_to_model
@@ -209,7 +210,8 @@ class LLM:
         if self.draft is not None:  # its quantization checked too before any weight is loaded
             self.draft.prepare(self.replica_meshes[0], self.dtype)
         distributed.check_same_everywhere("the model and engine settings", self.model_config, args)
-        self.weights = self._load_weights(checkpoint, args.random_weights, args.seed or 0)
+        # q/k/v and gate/up joined once here, for every engine (models.fused); a saved checkpoint splits them again.
+        self.weights = fuse_projections(self._load_weights(checkpoint, args.random_weights, args.seed or 0))
         if checkpoint is None and args.tokenizer is None:
             self.tokenizer = None
         else:

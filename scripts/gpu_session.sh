@@ -50,8 +50,12 @@
 #   structured_thread  the two server runs of `structured` with the engine on a thread of the server's process
 #                (`--no-engine-process`, the layout before the engine process): the same-lease baseline
 #   structured_proc  the same two server runs with the engine in its own process (`jaxinfer serve`'s default)
+#   trace_grid   profiler traces of whole offline grid runs (TG_WORKLOADS, default 128x128:256 sharegpt:128), the run
+#                of record's engine: device busy fraction, idle gaps, host events in them ($OUT/trace_grid_*.json)
 #   q_tilings    scripts/bench_quantized.py's tiling sweeps (fp8 W8A8 at M >= 256, weight-only at M = 1):
 #                $OUT/quantized_tilings.json
+#   ab_q_decode  bench_quantized.py's batch-1 decode (Q_ONLY formats, default int8) on the tree in .ab_old, then on
+#                this one: $OUT/ab_q_decode_old.json, $OUT/ab_q_decode_new.json
 #   q_mscale     weight-only int8/int4 from M = 16 to 8,192: Pallas vs dequantize + dot vs bf16 ($OUT/quantized_mscale.json)
 #   q_tests      the quantized matmul kernels' gpu-marked tests, and the model's forward on them (test_quantization)
 #   q_occupancy  bench_quantized.py's occupancy_m1 sweep (K step x steps in flight x split-K at M = 1):
@@ -285,6 +289,12 @@ print(f(llm.describe()))' ;;
     q_offline)
       run q_offline 550 python3 scripts/bench_quantized.py --sections offline --out "$OUT/quantized.json" \
         ${Q_ONLY:+--only "$Q_ONLY"} ;;
+    ab_q_decode)
+      for tree in .ab_old .; do
+        name=ab_q_decode_$([ "$tree" = . ] && echo new || echo old)
+        run "$name" 280 bash -c "cd $tree && PYTHONPATH=\$PWD python3 scripts/bench_quantized.py --sections decode \
+          --only ${Q_ONLY:-int8} --out $OUT/$name.json"
+      done ;;
     ab_decode_grid)
       run ab_decode_grid 590 python3 scripts/ab_bench.py --trees .ab_old . --repeats 1 --out "$OUT/ab_decode_grid.jsonl" \
         -- --hf skip --memory-fraction 0.85 --sections decode decode_device grid --decode-batches 1 64 \
@@ -326,6 +336,11 @@ print(f(llm.describe()))' ;;
         run moe_b1_steps$n 280 python3 -m jaxinfer.cli bench --model qwen3-30b-a3b --hf skip --memory-fraction 0.85 \
           --sections decode decode_device --decode-batches 1 --decode-steps 128 --decode-steps-per-call $n --plot none \
           --out "$OUT/moe_b1_steps$n.json"
+      done ;;
+    trace_grid)
+      for w in ${TG_WORKLOADS:-128x128:256 sharegpt:128}; do
+        run trace_grid_${w//[:x]/_} 300 python3 scripts/trace_engine.py --workload $w --memory-fraction 0.85 \
+          --max-num-seqs 256 --out "$OUT/trace_grid_${w//[:x]/_}.json"
       done ;;
     trace_moe_b1)
       run trace_moe_b1 400 python3 scripts/trace_engine.py --model qwen3-30b-a3b --batch 1 --memory-fraction 0.85 \

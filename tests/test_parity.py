@@ -7,6 +7,7 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
+from jaxinfer.models.fused import split_projections
 
 pytestmark = pytest.mark.slow
 
@@ -64,8 +65,10 @@ def test_logits_of_first_decode_steps_within_1e4(llm: LLM, smollm2_golden: dict)
 def test_tensor_parallel_3_equals_hf(smollm2_golden: dict) -> None:
     """9 q heads and 3 kv heads over 3 forced CPU devices: each device owns 3 q heads and 1 kv head."""
     llm3 = LLM("smollm2-135m-instruct", tensor_parallel_size=3, **ENGINE_KW)
-    wq = llm3.weights.layers[0].wq  # kept quantized from the GGUF: values [N = 9 x 64, K/2 or K]
-    assert {s.data.shape for s in wq.values.addressable_shards} == {(192, wq.values.shape[1])}
+    # Kept quantized from the GGUF, q/k/v joined: each device holds its 3 q heads' and 1 kv head's rows of 64.
+    qkv = llm3.weights.layers[0].wq
+    assert (qkv.shards, qkv.widths) == (3, (192, 64, 64))
+    assert {s.data.shape for s in qkv.w.values.addressable_shards} == {(320, qkv.w.values.shape[1])}
     cases = smollm2_golden["greedy"][:3]
     outs = llm3.generate([c["prompt_ids"] for c in cases], [greedy_params(c["max_new_tokens"]) for c in cases])
     assert [o.token_ids for o in outs] == [c["output_ids"] for c in cases]
@@ -115,7 +118,8 @@ def test_gguf_kept_quantized_in_at_most_1_2x_the_file(llm: LLM, smollm2_path) ->
     from jaxinfer.linear import is_quantized
 
     stats = llm.engine_stats()
-    assert is_quantized(llm.weights.layers[0].w_down) and is_quantized(llm.weights.layers[0].wq)
+    layer = split_projections(llm.weights).layers[0]
+    assert is_quantized(layer.w_down) and is_quantized(layer.wq)
     assert stats["weight_bytes"] <= 1.2 * smollm2_path.stat().st_size
     runner = llm.engine.runner
     assert stats["kv_cache_bytes"] == runner.kv_cache.num_pages * bytes_per_page(llm.model_config, 16, np.float32)

@@ -11,6 +11,7 @@ import pytest
 
 from jaxinfer import LLM, SamplingParams
 from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
+from jaxinfer.models.fused import split_projections
 
 pytestmark = pytest.mark.slow
 
@@ -93,7 +94,8 @@ def test_gguf_kept_quantized_in_at_most_1_2x_the_file(llm: LLM, gemma3_path) -> 
     from jaxinfer.linear import is_quantized
 
     stats = llm.engine_stats()
-    assert is_quantized(llm.weights.layers[0].w_down) and is_quantized(llm.weights.layers[0].wq)
+    layer = split_projections(llm.weights).layers[0]
+    assert is_quantized(layer.w_down) and is_quantized(layer.wq)
     assert stats["weight_bytes"] <= 1.2 * gemma3_path.stat().st_size
     runner = llm.engine.runner
     assert stats["kv_cache_bytes"] == runner.kv_cache.num_pages * bytes_per_page(llm.model_config, 16, np.float32)

@@ -23,6 +23,7 @@ from jaxinfer.errors import InvalidInput
 from jaxinfer.kv_cache import allocate_kv_cache, kv_storage
 from jaxinfer.linear import Linear, is_quantized
 from jaxinfer.models import LLAMA, with_linear
+from jaxinfer.models.fused import fuse_projections, split_projections
 from jaxinfer.params import init_params
 from jaxinfer.quantization import QuantizationConfig, check_plan, fit_packs, logical_shards, method_plan, quantized_specs
 from jaxinfer.sharding import make_mesh, tensor_parallel_rules
@@ -33,17 +34,21 @@ PAGE = 4
 
 
 def quantized_runner(cfg, tp: int, method: str, kv_cache_dtype: str = "auto", plan_tp: int = 2,
-                     num_pages: int = 16, pack_backend: str = "cpu", linear_impl: str = "reference") -> ModelRunner:
+                     num_pages: int = 16, pack_backend: str = "cpu", linear_impl: str = "reference",
+                     joined: bool = False) -> ModelRunner:
     """A reference-attention runner over random weights quantized as `method`, split over `tp` devices. The
     plan is the one for `plan_tp` devices (int4 packing chunks fit the split K), so runners of different tp
     draw the same random codes with the same meaning. `pack_backend`: the backend whose int4 order the plan
-    takes ("gpu": plain order); `linear_impl`: quantized_matmul's impl ("auto": the platform's kernels)."""
+    takes ("gpu": plain order); `linear_impl`: quantized_matmul's impl ("auto": the platform's kernels); `joined`:
+    q/k/v and gate/up joined as an LLM's engine holds them (models.fused)."""
     mesh, rules = make_mesh(MeshConfig(tensor=tp)), tensor_parallel_rules(cfg, tp)
     specs = LLAMA.param_specs(cfg, jnp.float32)
     plan_shards = logical_shards(tensor_parallel_rules(cfg, plan_tp), make_mesh(MeshConfig(tensor=plan_tp)))
     plan = fit_packs(specs, method_plan(specs, QuantizationConfig.parse(method)), plan_shards, backend=pack_backend)
     check_plan(specs, plan, logical_shards(rules, mesh))
     weights = init_params(quantized_specs(specs, plan), 0, mesh, rules)
+    if joined:
+        weights = fuse_projections(weights)
     kv_dtype, kv_quantized = kv_storage(kv_cache_dtype, jnp.float32)
     cache = allocate_kv_cache(cfg, num_pages, PAGE, kv_dtype, mesh, rules, quantized=kv_quantized)
     family = with_linear(LLAMA, Linear(mesh, rules, linear_impl))
@@ -88,20 +93,23 @@ def test_tensor_parallel_quantized_model_equals_unsharded(cfg, method: str) -> N
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("method, tol, zeros_inside", [
-    ("int8", 2e-2, False), ("int8:32", 2e-2, False), ("int4", 2e-2, False), ("int4", 2e-2, True),
-    ("int4:128", 2e-2, False), ("fp8", 5e-2, False)])
+@pytest.mark.parametrize("method, tol, zeros_inside, joined", [
+    ("int8", 2e-2, False, False), ("int8:32", 2e-2, False, False), ("int4", 2e-2, False, False),
+    ("int4", 2e-2, True, False), ("int4:128", 2e-2, False, False), ("fp8", 5e-2, False, False),
+    ("int8", 2e-2, False, True), ("int4", 2e-2, True, True), ("fp8", 5e-2, False, True)])
 def test_gpu_kernels_inside_the_model_match_the_reference(monkeypatch, method: str, tol: float,
-                                                          zeros_inside: bool) -> None:
+                                                          zeros_inside: bool, joined: bool) -> None:
     """The model's forward with every quantized product on the GPU kernels (int4 in the plain order a GPU
     stores; zero points inside the kernel, gpu.ZEROS_IN_KERNEL's default, and in the wrapper) against the same weights through the
-    reference: a prefill and a decode step's logits. Shapes are multiples of 64 so no product falls back."""
+    reference: a prefill and a decode step's logits. Shapes are multiples of 64 so no product falls back.
+    `joined`: q/k/v and gate/up as one product each, as an LLM's engine runs them (the reference apart)."""
     from pallas_kernels.quantized_matmul import gpu
 
     monkeypatch.setattr(gpu, "ZEROS_IN_KERNEL", zeros_inside)
     cfg = tiny_config(hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2, head_dim=32)
     ids = list(np.random.default_rng(2).integers(0, cfg.vocab_size, 10))
-    kernels = quantized_runner(cfg, 1, method, plan_tp=1, pack_backend="gpu", linear_impl="auto")  # one GPU
+    kernels = quantized_runner(cfg, 1, method, plan_tp=1, pack_backend="gpu", linear_impl="auto",
+                               joined=joined)  # one GPU
     quantized = [w for w in jax.tree.leaves(kernels.weights, is_leaf=is_quantized) if is_quantized(w)]
     assert quantized and all(gpu.unsupported_reason(w) is None for w in quantized if not w.w8a8)
     assert {w.pack for w in quantized if w.bits == 4} <= {NATURAL_PACK}
@@ -295,7 +303,8 @@ def test_cpu_default_dequantizes_the_bundled_gguf_and_says_so(monkeypatch, capsy
     monkeypatch.setattr(platform, "_announced", set())  # another test in this process may have printed the same
     llm = LLM("smollm2-135m-instruct", warmup=False, num_pages=4, use_tqdm=False)
     assert llm.args.quantization == "none" and not llm.quant_plan
-    assert not is_quantized(llm.weights.layers[0].wq) and llm.weights.layers[0].wq.dtype == jnp.float32
+    wq = split_projections(llm.weights).layers[0].wq
+    assert not is_quantized(wq) and wq.dtype == jnp.float32
     assert "quantization=none" in capsys.readouterr().err
 
 
@@ -305,4 +314,4 @@ def test_convert_keeps_a_gguf_quantized_unless_told_otherwise(tmp_path: Path, sm
 
     assert main(["convert", str(smollm2_path), str(tmp_path / "q")]) == 0
     restored = LLM(str(tmp_path / "q"), warmup=False, num_pages=4, use_tqdm=False)
-    assert restored.quant_plan and is_quantized(restored.weights.layers[0].wq)
+    assert restored.quant_plan and is_quantized(split_projections(restored.weights).layers[0].wq)

@@ -23,6 +23,7 @@ from jax.sharding import Mesh
 from jaxinfer.checkpoint.assemble import CheckpointError
 from jaxinfer.config import ModelConfig
 from jaxinfer.models import ModelFamily, family_for_config
+from jaxinfer.models.fused import split_projections
 from jaxinfer.params import abstract_params
 from jaxinfer.quantization import Plan, plan_from_json, plan_to_json, quantize_params, quantized_specs
 from jaxinfer.sharding import ShardingRules
@@ -39,7 +40,7 @@ def save_checkpoint(dst: str | Path, cfg: ModelConfig, weights: Any, tokenizer: 
         raise CheckpointError(f"{dst}: already exists; choose a new directory for the converted checkpoint.")
     dst.mkdir(parents=True)
     with ocp.StandardCheckpointer() as ckptr:
-        ckptr.save(dst / "params", weights)
+        ckptr.save(dst / "params", split_projections(weights))  # the published layout, whatever the engine joined
     if tokenizer is not None:  # a checkpoint without one converts to one without one (token-id prompts)
         tokenizer.save(dst / "tokenizer")
     meta = {"format_version": FORMAT_VERSION, "model_config": _config_to_json(cfg)}

@@ -18,6 +18,7 @@ from flax import struct
 from jaxinfer.checkpoint.assemble import CheckpointError
 from jaxinfer.config import ConfigError, ModelConfig, RopeScaling
 from jaxinfer.linear import DEFAULT_LINEAR, Linear, is_quantized
+from jaxinfer.models.fused import FusedColumns, split_outputs
 from jaxinfer.sharding import Logical
 from pallas_kernels.ragged_paged_attention.reference import QuantizedPages, quantize_kv
 
@@ -131,9 +132,24 @@ def project(x: jax.Array, w: Any, spec: str, out_axis: Logical, linear: Linear =
     return y if out_shape is None else y.reshape(x.shape[0], *out_shape)
 
 
+def joined_projection(x: jax.Array, fused: FusedColumns, out_axis: Logical,
+                      linear: Linear = DEFAULT_LINEAR) -> list[jax.Array]:
+    """x [T, D] times weights joined at load (models.fused) -> each part's output [T, N_part]."""
+    if is_quantized(fused.w):
+        y = linear.matmul(x, fused.w, Logical.EMBED, out_axis)  # [T, S * W]
+    else:
+        y = jnp.einsum("td,dn->tn", x, fused.w)  # [T, S * W]
+    return split_outputs(y, fused)
+
+
 def head_projections(x: jax.Array, wq: Any, wk: Any, wv: Any, head_dim: int,
                      linear: Linear = DEFAULT_LINEAR) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [T, D] -> q [T, N, H], k [T, K, H], v [T, K, H] (float or quantized weights)."""
+    """x [T, D] -> q [T, N, H], k [T, K, H], v [T, K, H] (float or quantized weights; or q/k/v joined in `wq`,
+    a FusedColumns, with wk and wv None)."""
+    if isinstance(wq, FusedColumns):
+        t = x.shape[0]
+        return tuple(y.reshape(t, -1, head_dim) for y in joined_projection(x, wq, Logical.Q_HEADS, linear))
+
     def heads(w: Any, axis: Logical) -> jax.Array:
         out_shape = None if not is_quantized(w) else (w.out_features // head_dim, head_dim)
         return project(x, w, "td,dnh->tnh", axis, linear, out_shape)
@@ -143,9 +159,13 @@ def head_projections(x: jax.Array, wq: Any, wk: Any, wv: Any, head_dim: int,
 
 def gated_mlp(x: jax.Array, w_gate: Any, w_up: Any, w_down: Any, act: str,
               linear: Linear = DEFAULT_LINEAR) -> jax.Array:
-    """SwiGLU (act="silu") or GeGLU (act="gelu_tanh"): down(act(x @ gate) * (x @ up))."""
-    gate = project(x, w_gate, "td,df->tf", Logical.FFN, linear)  # [T, F]
-    up = project(x, w_up, "td,df->tf", Logical.FFN, linear)  # [T, F]
+    """SwiGLU (act="silu") or GeGLU (act="gelu_tanh"): down(act(x @ gate) * (x @ up)); gate and up may come
+    joined in `w_gate` (a FusedColumns, w_up None)."""
+    if isinstance(w_gate, FusedColumns):
+        gate, up = joined_projection(x, w_gate, Logical.FFN, linear)  # [T, F] each
+    else:
+        gate = project(x, w_gate, "td,df->tf", Logical.FFN, linear)  # [T, F]
+        up = project(x, w_up, "td,df->tf", Logical.FFN, linear)  # [T, F]
     if act == "silu":
         h = jax.nn.silu(gate) * up
     elif act == "gelu_tanh":
