@@ -211,7 +211,8 @@ class LLM:
             self.draft.prepare(self.replica_meshes[0], self.dtype)
         distributed.check_same_everywhere("the model and engine settings", self.model_config, args)
         # q/k/v and gate/up joined once here, for every engine (models.fused); a saved checkpoint splits them again.
-        self.weights = fuse_projections(self._load_weights(checkpoint, args.random_weights, args.seed or 0))
+        self.weights = fuse_projections(self._load_weights(checkpoint, args.random_weights, args.seed or 0),
+                                        consume=True)
         if checkpoint is None and args.tokenizer is None:
             self.tokenizer = None
         else:
