@@ -92,3 +92,20 @@ def test_routed_experts_stay_apart() -> None:
     assert isinstance(moe_layer.wq, FusedColumns) and moe_layer.mlp is None
     assert moe_layer.moe.w_up is not None and not isinstance(moe_layer.moe.w_gate, FusedColumns)
     assert isinstance(dense_layer.mlp.w_gate, FusedColumns) and dense_layer.mlp.w_up is None
+
+
+def test_consume_frees_the_parts_as_each_layer_is_joined() -> None:
+    """What LLM does at load: the separate arrays' device buffers are freed once joined, the forward unchanged."""
+    cfg = tiny_config(**CFG)
+    ids = list(np.random.default_rng(4).integers(0, cfg.vocab_size, 11))
+    apart = build_runner(cfg, tp=2, seed=5)
+    spent = {}
+
+    def consume(weights):
+        spent["parts"] = [weights.layers[0].wq, weights.layers[1].w_up]
+        return fuse_projections(weights, consume=True)
+
+    joined = build_runner(cfg, tp=2, seed=5, weights_hook=consume)
+    assert all(a.is_deleted() for a in spent["parts"])
+    want = run_chunks(apart, ids, chunk=4, pages=[1, 2, 3])
+    assert rel_err(run_chunks(joined, ids, chunk=4, pages=[1, 2, 3]), want) < 1e-6
