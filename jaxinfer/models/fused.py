@@ -111,6 +111,7 @@ def _interleave(arrays: list[jax.Array], axis: int, shards: int) -> jax.Array:
 
 
 def _unleave(joined: jax.Array, axis: int, shards: int, widths: tuple[int, ...]) -> list[jax.Array]:
+    """Inverse of `_interleave`: the parts, each [.., S * width, ..] again."""
     blocks = joined.reshape(*joined.shape[:axis], shards, sum(widths), *joined.shape[axis + 1:])
     out, start = [], 0
     for width in widths:
@@ -163,10 +164,10 @@ def _float_heads_ok(parts: list[Any]) -> bool:
 
 def _free(parts: list[Any], joined: FusedColumns) -> None:
     """Free the parts' device buffers now that the join is done. Without this they live until the caller drops the
-    whole tree: on an H100 the separate and the joined copies of Llama-3-8B's projections (12 GB each) then
-    coexisted, and once the separate ones went their holes (<= 234 MB each) were too small for the 1 GB scratch
-    buffers XLA's autotuner takes beside a full KV cache (the run of record failed with RESOURCE_EXHAUSTED). Freed
-    layer by layer, each hole takes the next layer's join."""
+    whole tree: the separate and the joined copies of Llama-3-8B's projections (12 GB each) coexisted, and the
+    separate ones then left holes of at most 234 MB. The first H100 run of record with joined projections failed in
+    warmup (RESOURCE_EXHAUSTED: no 1 GB scratch buffer for XLA's autotuner beside a full KV cache); freed layer by
+    layer, so that each hole takes the next layer's join, the same run went clean (docs/PERFORMANCE.md, issue 14)."""
     jax.block_until_ready(joined)
     for leaf in jax.tree.leaves(parts):
         if isinstance(leaf, jax.Array):
