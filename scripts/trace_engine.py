@@ -93,6 +93,21 @@ def summarize(events: list[dict], min_gap_us: float) -> dict:
     }
 
 
+def _profiled(fn, out_dir: Path, label: str) -> tuple[object, float, list[dict]]:
+    """fn() under the JAX profiler: (its result, wall seconds, the trace's events); the raw trace is kept in
+    out_dir as trace_<label>.json.gz."""
+    with tempfile.TemporaryDirectory() as tmp:
+        t = time.perf_counter()
+        with jax.profiler.trace(tmp, create_perfetto_trace=True):
+            result = fn()
+        wall = time.perf_counter() - t
+        (path,) = glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)
+        shutil.copy(path, out_dir / f"trace_{label}.json.gz")
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    return result, wall, trace["traceEvents"] if isinstance(trace, dict) else trace
+
+
 def traced_decode(llm: LLM, batch: int, ctx: int, tokens: int, out_dir: Path, label: str, min_gap_us: float,
                   calls: int) -> dict:
     engine = llm.engine
@@ -101,37 +116,23 @@ def traced_decode(llm: LLM, batch: int, ctx: int, tokens: int, out_dir: Path, la
                              streamed=True)
     for _ in range(2):  # into the steady state (a continuation in flight when overlapped)
         engine.step()
-    with tempfile.TemporaryDirectory() as tmp:
-        t = time.perf_counter()
-        with jax.profiler.trace(tmp, create_perfetto_trace=True):
-            steps = 0
-            while steps < calls:
-                steps += 1
-                engine.step()
-            engine.flush()
-        wall = time.perf_counter() - t
-        (path,) = glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)
-        shutil.copy(path, out_dir / f"trace_{label}.json.gz")
-        with gzip.open(path) as f:
-            trace = json.load(f)
+
+    def run() -> None:
+        for _ in range(calls):
+            engine.step()
+        engine.flush()
+
+    _, wall, events = _profiled(run, out_dir, label)
     for s in states:
         engine.abort(s.request_id)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    return {"wall_s": wall, "engine_calls": steps, **summarize(events, min_gap_us)}
+    return {"wall_s": wall, "engine_calls": calls, **summarize(events, min_gap_us)}
 
 
 def traced_workload(llm: LLM, workload: Workload, out_dir: Path, label: str, min_gap_us: float) -> dict:
     """One untraced offline run (the steady state), then the same workload traced, on other prompts: the same
     prompts again would hit the prefix cache and skip most of the prefill."""
     untraced = offline_throughput(llm, workload, seed=0)
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp, create_perfetto_trace=True):
-            traced = offline_throughput(llm, workload, seed=1)
-        (path,) = glob.glob(f"{tmp}/**/perfetto_trace.json.gz", recursive=True)
-        shutil.copy(path, out_dir / f"trace_{label}.json.gz")
-        with gzip.open(path) as f:
-            trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    traced, _, events = _profiled(lambda: offline_throughput(llm, workload, seed=1), out_dir, label)
     return {"untraced": untraced, "traced": traced, **summarize(events, min_gap_us)}
 
 
