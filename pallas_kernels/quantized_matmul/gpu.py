@@ -308,6 +308,39 @@ def dequantize_matmul(x: jax.Array, wq: QuantizedWeights) -> jax.Array:
     return pad_activations(x, wq) @ w  # [M, N]
 
 
+# Per-channel 8-bit weight-only products (int8, e4m3) go to XLA's own dot at every M: the codes widen to bf16
+# inside its GEMM fusion (Triton) and the per-channel scale multiplies the output. H100, one joined Llama-3-8B
+# layer (qkv, o, gate/up, down), device time with the wrapper's kernels (bench_quantized.py --sections xla_m1,
+# xla_paths; docs/PERFORMANCE.md, issue 15):
+#   rows               2     4     8    16    32    64   128   256   512  (us)
+#   int8 kernel      107   110    99   101   116   134   191   338   668
+#   int8 XLA dot      88    89    90   101   113   132   180   321   573   (95% of the copy rate at 2-8 rows)
+#   bf16 dot         151   153   154   156   162   175   182   204   312
+# The kernel loses at decode to its split-K epilogue (sum, transpose, scale: separate XLA kernels) and at many rows
+# to its one warpgroup per 128 rows. At one row XLA's dot is slower (107 us, the kernel 104; padded to 8 rows 97),
+# so a single row is padded to two (the engine's smallest decode bucket; not timed at one row since). Grouped scales and zero points (GGUF Q8_0 / Q4_K, int4) stay on the kernel:
+# XLA materializes the dequantized weights for them (452 us for int4 in groups of 128 at one row).
+XLA_PER_CHANNEL_8BIT = True
+
+
+def xla_takes(wq: QuantizedWeights) -> bool:
+    """Whether quantized_matmul on a GPU hands these weights to convert_matmul (XLA_PER_CHANNEL_8BIT)."""
+    return XLA_PER_CHANNEL_8BIT and wq.bits == 8 and not wq.w8a8 and wq.per_channel and wq.zeros is None
+
+
+def convert_matmul(x: jax.Array, wq: QuantizedWeights) -> jax.Array:
+    """x [M, K] @ per-channel 8-bit wq by XLA's dot on the codes widened to 16 bits (exact), fp32 accumulation, the
+    per-channel scale on the fp32 output: the kernel's arithmetic, with XLA fusing the widening into its GEMM."""
+    compute = jnp.float16 if x.dtype == jnp.float16 else jnp.bfloat16
+    m = x.shape[0]
+    xp = pad_activations(x, wq).astype(compute)  # [M, Kp]
+    if m == 1:  # XLA tiles one row slower than two (107 against 88 us a layer above): a second, zero row
+        xp = jnp.pad(xp, ((0, 1), (0, 0)))  # [2, Kp]
+    y = jax.lax.dot_general(xp, wq.values.astype(compute), (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32)  # [M, Kp] . [N, Kp] -> [M, N]
+    return (y[:m] * wq.scales[0].astype(jnp.float32)[None, :]).astype(x.dtype)
+
+
 def unsupported_reason(wq: QuantizedWeights) -> str | None:
     """None when the kernel takes these weights; else one sentence why not."""
     if wq.out_features % _TILE_N:

@@ -282,6 +282,34 @@ def _has_mosaic_gpu_bindings() -> bool:
     return True
 
 
+@pytest.mark.parametrize("m", [1, 2, 13, 300])
+@pytest.mark.parametrize("fmt", ["int8", "fp8"])
+def test_per_channel_8bit_goes_to_xla_dot(rng, m, fmt):
+    """Per-channel 8-bit weight-only products take XLA's dot on the widened codes on the GPU path (plain jnp, so
+    CPU runs the very code a GPU does): no kernel in the program, and the kernel's arithmetic (codes exact in
+    bf16, fp32 accumulation, the scale on the output), so it matches the kernel in interpret mode to rounding."""
+    x, w = _inputs(rng, m, 320, 128, jnp.bfloat16)
+    wq = quantize_weights(w, bits=8, fp8=fmt == "fp8")
+    assert gpu.xla_takes(wq)
+    call = jax.jit(lambda x, wq: quantized_matmul(x, wq, impl="gpu"))
+    got = call(x, wq)
+    lowered = call.lower(x, wq).as_text()
+    assert "mosaic_gpu" not in lowered and "dot_general" in lowered
+    assert got.shape == (m, 128) and got.dtype == jnp.bfloat16
+    assert _rel(got, quantized_matmul(x, wq, impl="reference").astype(jnp.float32)) < 1e-2
+    kernel = gpu.quantized_matmul(x, wq, interpret=True)
+    assert _rel(got, np.asarray(kernel.astype(jnp.float32), np.float64)) < 2e-3  # bf16 output rounding apart
+
+
+def test_grouped_and_w8a8_weights_stay_off_the_xla_dot():
+    """Grouped scales, zero points, int4 and W8A8 keep their kernels: XLA would materialize dequantized weights."""
+    w = jnp.ones((256, 128), jnp.float32)
+    for wq in (quantize_weights(w, bits=8, group_size=32), quantize_weights(w, bits=4, group_size=32),
+               quantize_weights(w, bits=4, group_size=32, zero_point=True),
+               quantize_weights(w, bits=8, fp8=True, w8a8=True)):
+        assert not gpu.xla_takes(wq)
+
+
 @pytest.mark.parametrize("m, bits, group, zp", [(385, 8, None, False), (512, 8, 32, False), (193, 4, 32, True),
                                                  (256, 4, 128, False)])
 def test_many_rows_dequantize_then_dot(rng, m, bits, group, zp):
@@ -310,8 +338,9 @@ def test_gpu_kernel_lowers_for_cuda(name):
     m, k, n, bits, group, mode = shapes.get(name) or GPU_CASES[name]
     wq = jax.eval_shape(lambda w: _quantize(w, bits, group, mode), jax.ShapeDtypeStruct((k, n), jnp.float32))
     x = jax.ShapeDtypeStruct((m, k), jnp.bfloat16)
-    lowered = jax.jit(lambda x, wq: quantized_matmul(x, wq, impl="gpu")).trace(x, wq).lower(
-        lowering_platforms=("cuda",))
+    # Per-channel 8-bit weights go to XLA's dot on the GPU path (gpu.xla_takes); the kernel still takes them.
+    call = gpu.quantized_matmul if gpu.xla_takes(wq) else lambda x, wq: quantized_matmul(x, wq, impl="gpu")
+    lowered = jax.jit(call).trace(x, wq).lower(lowering_platforms=("cuda",))
     assert "mosaic_gpu" in lowered.as_text()
 
 
@@ -381,10 +410,12 @@ def test_gpu_kernel_reads_unpadded_rows(rng, name):
 def test_gpu_kernel_matches_reference(rng, m, k, n, bits, group, fp8):
     x, w = _inputs(rng, m, k, n, jnp.bfloat16)
     wq = _quantize(w, bits, group, fp8)
-    got = quantized_matmul(x, wq, impl="gpu")
     want = quantized_matmul(x, wq, impl="reference")
+    got = quantized_matmul(x, wq, impl="gpu")
     assert got.dtype == jnp.bfloat16
     assert _rel(got, want.astype(jnp.float32)) < 1e-2
+    if gpu.xla_takes(wq):  # the GPU path ran XLA's dot (gpu.convert_matmul): the kernel, which still takes them
+        assert _rel(gpu.quantized_matmul(x, wq), want.astype(jnp.float32)) < 1e-2
 
 
 @pytest.mark.gpu
