@@ -28,10 +28,17 @@ it measured, and a second call with `--sections ... --out` of the same file adds
             wrapper against inside the kernel (gpu.ZEROS_IN_KERNEL, on since this measured it);
   m_scale   (not in the default set) int8 / int4 weight-only from 16 rows to 8,192: the Pallas kernel against
             dequantize-then-dot and the bf16 dot (where quantized_matmul switches to dequantize + dot);
+  xla_paths (not in the default set) one joined layer (qkv, o, gate/up, down) from 1 row to 2,048: the Pallas
+            weight-only kernel against XLA's dot taking the quantized codes (widened in the dot's fusion) and
+            W8A8 int8 / fp8 dots, beside the bf16 dot; device time and the kernels XLA chose;
+  xla_m1    (not in the default set) the same layer at 1-16 rows: the kernel against XLA's dot with the rows padded
+            to 8 or 16 and the product written as an elementwise multiply and a reduction over K (int8, int4 in
+            groups of 128 and 32, fp8);
   decode    engine decode at batch 1 (ctx 512, 128 steps) for bf16, int8, int4 (groups of 32), int4 in chunk
             halves (int4_halves: the storage order plain order replaced on GPUs), int4 with its zero points
             added by the wrapper instead of inside the kernel (int4_zeros_outside), int8 with its activation
-            rows unpadded (int8_unpadded, gpu.UNPADDED_ROWS), int4:128 weights, and bf16 with the request
+            rows unpadded (int8_unpadded, gpu.UNPADDED_ROWS), int8 through the Pallas kernel rather than XLA's dot
+            (int8_kernel, gpu.XLA_PER_CHANNEL_8BIT off), int4:128 weights, and bf16 with the request
             streamed (bf16_streamed: single steps): step time end to end and the speedup over bf16, then the
             device's time for a single step and for one iteration of the multi-step loop, with the single
             step's costliest kernels;
@@ -65,19 +72,20 @@ import jax.numpy as jnp
 from jaxinfer.bench.measure import copy_bandwidth, matmul_rate, median_time, offline_throughput
 from jaxinfer.bench.workloads import fixed
 
-SECTIONS = ("ceilings", "kernels", "tilings_m1", "tilings_fp8", "occupancy_m1", "zeros", "m_scale", "decode",
-            "offline")
+SECTIONS = ("ceilings", "kernels", "tilings_m1", "tilings_fp8", "occupancy_m1", "zeros", "m_scale", "xla_paths",
+            "xla_m1", "decode", "offline")
 
 
 def sizes(smoke: bool) -> dict[str, Any]:
     """Every size the sections use: the real ones, or tiny ones for --smoke on CPU."""
     if smoke:
-        return dict(model="smollm2-135m", int4_wide="int4:64", layers=2, d=256, qkv=384, f=512, fp8_k=256, fp8_n=512, fp8_m=(256,), scale_m=(8, 64),
+        return dict(model="smollm2-135m", int4_wide="int4:64", layers=2, d=256, qkv=384, f=512, fp8_k=256, fp8_n=512, fp8_m=(256,), scale_m=(8, 64), xla_m=(1, 64), xla_m1=(1, 8),
                     bw_gib=0.05, matmul_n=256, ctx=32, steps=8, offline_1000=(32, 32, 4), offline_128=(16, 16, 4),
                     engine=dict(max_model_len=256, max_num_seqs=4, max_num_batched_tokens=128, num_pages=64,
                                 warmup=False))  # CPU: compile only the buckets used
     return dict(model="llama-3-8b", int4_wide="int4:128", layers=32, d=4096, qkv=6144, f=14336, fp8_k=4096, fp8_n=14336,
-                fp8_m=(256, 1024, 4096), scale_m=(16, 64, 128, 256, 512, 2048, 8192), bw_gib=4.0, matmul_n=8192, ctx=512, steps=128,
+                fp8_m=(256, 1024, 4096), scale_m=(16, 64, 128, 256, 512, 2048, 8192),
+                xla_m=(1, 8, 32, 64, 128, 256, 512, 2048), xla_m1=(2, 4, 8, 16), bw_gib=4.0, matmul_n=8192, ctx=512, steps=128,
                 offline_1000=(1000, 1000, 512), offline_128=(128, 128, 2048),
                 engine=dict(max_model_len=2048, max_num_seqs=256, max_num_batched_tokens=8192,
                             gpu_memory_utilization=0.9))
@@ -355,6 +363,125 @@ def _m_scale(s: dict[str, Any], bf16_rate: float) -> list[dict[str, Any]]:
     return rows
 
 
+def joined_layer_shapes(s: dict[str, Any]) -> list[tuple[int, int]]:
+    """One layer's products as the engine runs them since q/k/v and gate/up are joined: [K, N] each."""
+    return [(s["d"], s["qkv"]), (s["d"], s["d"]), (s["d"], 2 * s["f"]), (s["f"], s["d"])]
+
+
+def _xla_products() -> dict[str, tuple[dict[str, Any] | None, Callable[[jax.Array, Any], jax.Array]]]:
+    """Each path of xla_paths / xla_m1: (quantize_weights' arguments, or None for the bf16 weights;
+    x [M, K] @ w -> [M, N])."""
+    from pallas_kernels.quantized_matmul import gpu, quantize_rows
+
+    def codes(wq, dtype=jnp.bfloat16):  # [N, Kp]: int8 / e4m3 codes, or plain-order int4 (two a byte, low first)
+        v = wq.values
+        if wq.bits == 4:
+            v = jax.lax.bitcast_convert_type(v, jnp.int4).reshape(wq.out_features, wq.padded_in_features)
+        return v.astype(dtype)
+
+    def nt_dot(x, w, **kw):  # x [M, K] . w [N, K] -> [M, N]
+        return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())), **kw)
+
+    def convert_dot(x, wq):  # per channel: the codes widened inside the dot's fusion, the scale on the output
+        return (nt_dot(x, codes(wq), preferred_element_type=jnp.float32) * wq.scales[0][None, :]).astype(x.dtype)
+
+    def padded(product, rows):  # the same with the activation rows padded to `rows` (XLA tiles M = 1 differently)
+        def run(x, wq):
+            return product(jnp.pad(x, ((0, rows - x.shape[0]), (0, 0))), wq)[:x.shape[0]]
+        return run
+
+    def dequantized(wq):  # [N, G, g] codes x scale (+ zero point) per group, in bf16
+        w = codes(wq).reshape(wq.out_features, wq.num_groups, wq.group_size)
+        w = w * wq.scales.T.astype(jnp.bfloat16)[:, :, None]
+        if wq.zeros is not None:
+            w = w + wq.zeros.T.astype(jnp.bfloat16)[:, :, None]
+        return w
+
+    def grouped_dot(x, wq):  # groups: dequantized before the dot
+        w = dequantized(wq).reshape(wq.out_features, wq.padded_in_features)  # [N, G, g] -> [N, Kp]
+        return nt_dot(x, w).astype(x.dtype)
+
+    def reduce_rows(x, wq):  # M rows as an elementwise product and a reduction over K (XLA's reduction emitter)
+        w = dequantized(wq).astype(jnp.float32).reshape(wq.out_features, wq.padded_in_features)  # [N, Kp]
+        y = (x.astype(jnp.float32)[:, None, :] * w[None]).sum(-1)  # [M, N, Kp] -> [M, N]
+        return y.astype(x.dtype)
+
+    def int8_w8a8(x, wq):  # x quantized per row to int8, int8 x int8 -> int32 (IMMA), both scales on the output
+        sx = jnp.maximum(jnp.max(jnp.abs(x.astype(jnp.float32)), axis=1), 1e-12) / 127  # [M]
+        xq = jnp.round(x.astype(jnp.float32) / sx[:, None]).astype(jnp.int8)
+        y = nt_dot(xq, wq.values, preferred_element_type=jnp.int32).astype(jnp.float32)
+        return (y * sx[:, None] * wq.scales[0][None, :]).astype(x.dtype)
+
+    def fp8_w8a8(x, wq):
+        xq, sx = quantize_rows(x)
+        y = nt_dot(xq, wq.values, preferred_element_type=jnp.float32)
+        return (y * sx[:, None] * wq.scales[0].astype(jnp.float32)[None, :]).astype(x.dtype)
+
+    int8, fp8 = dict(bits=8), dict(fp8=True)
+    g128, g32 = dict(bits=4, group_size=128, zero_point=True, pack=2), dict(bits=4, group_size=32, zero_point=True, pack=2)
+    return {"bf16 dot": (None, lambda x, w: x @ w),
+            "int8 pallas": (int8, gpu.quantized_matmul),
+            "int8 convert+dot": (int8, convert_dot),
+            "int8 convert+dot pad8": (int8, padded(convert_dot, 8)),
+            "int8 convert+dot pad16": (int8, padded(convert_dot, 16)),
+            "int8 reduce": (int8, reduce_rows),
+            "int8 w8a8 dot": (int8, int8_w8a8),
+            "int4 g128 pallas": (g128, gpu.quantized_matmul),
+            "int4 g128 convert+dot": (g128, grouped_dot),
+            "int4 g128 reduce": (g128, reduce_rows),
+            "int4 g32 pallas": (g32, gpu.quantized_matmul),
+            "int4 g32 reduce": (g32, reduce_rows),
+            "fp8 convert+dot": (fp8, convert_dot),
+            "fp8 convert+dot pad8": (fp8, padded(convert_dot, 8)),
+            "fp8 reduce": (fp8, reduce_rows),
+            "fp8 w8a8 dot": (dict(fp8=True, w8a8=True), fp8_w8a8)}
+
+
+# Which paths each sweep times: xla_paths over M (decode batches to prefill chunks), xla_m1 the decode rows.
+XLA_PATHS_MANY_M = ("bf16 dot", "int8 pallas", "int8 convert+dot", "int8 w8a8 dot", "int4 g128 pallas",
+                    "int4 g128 convert+dot", "fp8 convert+dot", "fp8 w8a8 dot")
+XLA_PATHS_FEW_M = ("bf16 dot", "int8 pallas", "int8 convert+dot", "int8 convert+dot pad8", "int8 convert+dot pad16",
+                   "int8 reduce", "int8 w8a8 dot", "int4 g128 pallas", "int4 g128 reduce", "int4 g32 pallas",
+                   "int4 g32 reduce", "fp8 convert+dot", "fp8 convert+dot pad8", "fp8 reduce")
+
+
+def _xla_paths(s: dict[str, Any], copy_bw: float, bf16_rate: float, names: tuple[str, ...],
+               ms: tuple[int, ...]) -> list[dict[str, Any]]:
+    """One joined layer's four products (qkv, o, gate/up, down) from one row to prefill chunks, device time, for the
+    Pallas weight-only kernel against letting XLA's own dot take the quantized weights: the codes widened inside the
+    dot's fusion (per-channel scale on the output; grouped scales and zero points before the dot), int8 and fp8
+    activations quantized per row (IMMA / fp8 tensor cores). Which path XLA compiled shows in each row's kernels."""
+    from jaxinfer.bench.measure import device_spans
+    from pallas_kernels.quantized_matmul import quantize_weights
+
+    shapes = joined_layer_shapes(s)
+    floats = [[jax.random.normal(jax.random.key(41 * r + i), (k, n), jnp.bfloat16) * 0.02
+               for i, (k, n) in enumerate(shapes)] for r in range(2)]
+    paths = {name: path for name, path in _xla_products().items() if name in names}
+    weights = {}
+    for name, (fmt, _) in paths.items():
+        weights[name] = floats if fmt is None else [[quantize_weights(w, **fmt) for w in ws] for ws in floats]
+    flops_per_row = 2 * sum(k * n for k, n in shapes)
+    rows = []
+    for m in ms:
+        xs = [[jax.random.normal(jax.random.key(m + r), (m, k), jnp.bfloat16) for k, _ in shapes] for r in range(2)]
+        for name, (_, product) in paths.items():
+            fn = jax.jit(lambda xs_, ws_, product=product: [product(x, w) for x, w in zip(xs_, ws_)])
+            args = list(zip(xs, weights[name]))
+            try:
+                t = _device_seconds(fn, args)
+                _, spans = device_spans(lambda: fn(*args[0]))
+                top = sorted(spans.items(), key=lambda kv: -kv[1])[:4]
+                wbytes = nbytes(weights[name][0])
+                rows.append(dict(m=m, path=name, us=t * 1e6, weight_gbps=wbytes / t / 1e9,
+                                 pct_copy_bw=100 * wbytes / t / copy_bw, over_bf16_rate=m * flops_per_row / t / bf16_rate,
+                                 kernels=[[k, round(v * 1e3, 1)] for k, v in top]))
+            except Exception as e:  # noqa: BLE001 - one failing cell is a row, not the end
+                rows.append(dict(m=m, path=name, error=f"{type(e).__name__}: {str(e)[:300]}"))
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
 # ----------------------------------------------------------------------------- engine
 
 
@@ -395,8 +522,10 @@ def _fallbacks(caught: list[warnings.WarningMessage]) -> list[str]:
 HALVES_INT4 = "int4_halves"
 ZEROS_OUTSIDE_INT4 = "int4_zeros_outside"
 UNPADDED_INT8 = "int8_unpadded"  # int8 with the activation rows handed to the kernel unpadded (gpu.UNPADDED_ROWS on)
+KERNEL_INT8 = "int8_kernel"  # int8 through the Pallas kernel instead of XLA's dot (gpu.XLA_PER_CHANNEL_8BIT off)
 BF16_STREAMED = "bf16_streamed"
-GPU_KERNEL_SWITCHES = {ZEROS_OUTSIDE_INT4: ("ZEROS_IN_KERNEL", False), UNPADDED_INT8: ("UNPADDED_ROWS", True)}
+GPU_KERNEL_SWITCHES = {ZEROS_OUTSIDE_INT4: ("ZEROS_IN_KERNEL", False), UNPADDED_INT8: ("UNPADDED_ROWS", True),
+                       KERNEL_INT8: ("XLA_PER_CHANNEL_8BIT", False)}
 
 
 def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
@@ -407,7 +536,7 @@ def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
     from jaxinfer.bench.measure import decode_device_profile, decode_mbu
 
     quantization = {"bf16": None, BF16_STREAMED: None, HALVES_INT4: "int4", ZEROS_OUTSIDE_INT4: "int4",
-                    UNPADDED_INT8: "int8"}.get(name, name)
+                    UNPADDED_INT8: "int8", KERNEL_INT8: "int8"}.get(name, name)
     if name == HALVES_INT4:
         from profile_decode_buckets import force_int4_pack
 
@@ -433,7 +562,7 @@ def decode_one(s: dict[str, Any], smoke: bool, name: str) -> dict[str, Any]:
 
 
 def decode_b1(s: dict[str, Any], smoke: bool, only: set[str] | None) -> dict[str, Any]:
-    names = [n for n in ("bf16", BF16_STREAMED, "int8", UNPADDED_INT8, "int4", HALVES_INT4, ZEROS_OUTSIDE_INT4,
+    names = [n for n in ("bf16", BF16_STREAMED, "int8", KERNEL_INT8, UNPADDED_INT8, "int4", HALVES_INT4, ZEROS_OUTSIDE_INT4,
                          s["int4_wide"]) if not only or n in only]
     rows = {name: in_child("decode", name, smoke) for name in names}
     ok = {k: v for k, v in rows.items() if "step_ms" in v}
@@ -445,6 +574,7 @@ def decode_b1(s: dict[str, Any], smoke: bool, only: set[str] | None) -> dict[str
             "decode_b1_int4g128_speedup": speedup(s["int4_wide"]), "decode_b1_int4_halves_speedup": speedup(HALVES_INT4),
             "decode_b1_int4_zeros_outside_speedup": speedup(ZEROS_OUTSIDE_INT4),
             "decode_b1_int8_unpadded_speedup": speedup(UNPADDED_INT8),
+            "decode_b1_int8_kernel_speedup": speedup(KERNEL_INT8),
             "decode_b1_bf16_streamed_speedup": speedup(BF16_STREAMED)}
 
 
@@ -500,10 +630,14 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
              "occupancy_m1": lambda: {"rows": _m1_occupancy(s, result["ceilings"]["copy_bw"])},
              "zeros": lambda: {"rows": _zeros(s, result["ceilings"]["copy_bw"])},
              "m_scale": lambda: {"rows": _m_scale(s, result["ceilings"]["bf16_matmul_rate"])},
+             "xla_paths": lambda: {"rows": _xla_paths(s, result["ceilings"]["copy_bw"], result["ceilings"]["bf16_matmul_rate"],
+                                                      XLA_PATHS_MANY_M, s["xla_m"])},
+             "xla_m1": lambda: {"rows": _xla_paths(s, result["ceilings"]["copy_bw"], result["ceilings"]["bf16_matmul_rate"],
+                                                   XLA_PATHS_FEW_M, s["xla_m1"])},
              "tilings_fp8": lambda: {"rows": _fp8_tilings(s, result["ceilings"]["bf16_matmul_rate"])},
              "decode": lambda: decode_b1(s, args.smoke, args.only), "offline": lambda: offline(s, args.smoke, args.only)}
     for name in args.sections:
-        if name in ("kernels", "tilings_m1", "tilings_fp8", "occupancy_m1", "zeros", "m_scale") and "ceilings" not in result:
+        if name in ("kernels", "tilings_m1", "tilings_fp8", "occupancy_m1", "zeros", "m_scale", "xla_paths", "xla_m1") and "ceilings" not in result:
             result["ceilings"] = ceilings(s)
         start = time.perf_counter()
         try:
@@ -542,7 +676,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/quantized.json"))
     parser.add_argument("--sections", default=",".join(x for x in SECTIONS
                                                       if not x.startswith(("tilings", "occupancy"))
-                                                      and x not in ("m_scale", "zeros")),
+                                                      and x not in ("m_scale", "zeros", "xla_paths", "xla_m1")),
                         help="comma-separated: " + ", ".join(SECTIONS))
     parser.add_argument("--only", type=lambda v: set(v.split(",")), default=None,
                         help="decode / offline: only these runs (formats such as int8, or offline keys)")

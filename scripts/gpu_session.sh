@@ -57,6 +57,8 @@
 #   ab_q_decode  bench_quantized.py's batch-1 decode (Q_ONLY formats, default int8) on the tree in .ab_old, then on
 #                this one: $OUT/ab_q_decode_old.json, $OUT/ab_q_decode_new.json
 #   q_mscale     weight-only int8/int4 from M = 16 to 8,192: Pallas vs dequantize + dot vs bf16 ($OUT/quantized_mscale.json)
+#   q_xla_paths  one joined Llama-3-8B layer from 1 row to 2,048: the Pallas weight-only kernel against XLA's dot on
+#                the quantized codes and W8A8 int8 / fp8 dots, beside bf16 ($OUT/quantized_xla_paths.json)
 #   q_tests      the quantized matmul kernels' gpu-marked tests, and the model's forward on them (test_quantization)
 #   q_occupancy  bench_quantized.py's occupancy_m1 sweep (K step x steps in flight x split-K at M = 1):
 #                $OUT/quantized_occupancy.json
@@ -240,6 +242,8 @@ print(f(llm.describe()))' ;;
     q_tilings)
       run q_tilings 500 python3 scripts/bench_quantized.py --sections ceilings,tilings_fp8,tilings_m1 \
         --out "$OUT/quantized_tilings.json" ;;
+    q_xla_paths)
+      run q_xla_paths 420 python3 scripts/bench_quantized.py --fresh --sections ceilings,xla_paths --out "$OUT/quantized_xla_paths.json" ;;
     q_mscale)
       run q_mscale 400 python3 scripts/bench_quantized.py --sections ceilings,m_scale --out "$OUT/quantized_mscale.json" ;;
     q_tests)
