@@ -148,18 +148,26 @@ def nbytes(tree: Any) -> int:
 
 
 def m1_kernels(s: dict[str, Any], copy_bw: float) -> dict[str, Any]:
-    """The weight set at M = 1 for bf16, int8 per channel / in groups of 128 and 32, and int4 with zero points in
-    groups of 32 / 128 (and in groups of 32 in plain order)."""
+    """The weight set at M = 1 for bf16, int8 per channel (on XLA's dot, and on the Pallas kernel) / in groups of 128
+    and 32, and int4 with zero points in groups of 32 / 128 (and in groups of 32 in plain order)."""
     from pallas_kernels.quantized_matmul import quantize_weights, quantized_matmul
 
-    formats = {"bf16": None, **WEIGHT_ONLY_FORMATS, "int8_g128": dict(bits=8, group_size=128),
+    from pallas_kernels.quantized_matmul import gpu
+
+    formats = {"bf16": None, **WEIGHT_ONLY_FORMATS, "int8_kernel": dict(bits=8), "int8_g128": dict(bits=8, group_size=128),
                "int8_g32": dict(bits=8, group_size=32),
                "int4_natural": dict(bits=4, group_size=32, zero_point=True, pack=2)}
     out = {}
     for name, fmt in formats.items():
         ws = weight_set(s, (lambda w: w) if fmt is None else (lambda w, f=fmt: quantize_weights(w, **f)))
         apply = (lambda x, w: x @ w) if fmt is None else (lambda x, w: quantized_matmul(x, w))
-        t = stream_time(ws, apply)
+        # int8_kernel: per-channel int8 on the Pallas kernel, which XLA's dot replaced (gpu.XLA_PER_CHANNEL_8BIT);
+        # the switch is read when the stream is traced, inside stream_time.
+        gpu.XLA_PER_CHANNEL_8BIT = name != "int8_kernel"
+        try:
+            t = stream_time(ws, apply)
+        finally:
+            gpu.XLA_PER_CHANNEL_8BIT = True
         out[name] = {"weight_bytes": nbytes(ws), "time_ms": t * 1e3, "tok_s": 1 / t,
                      "pct_of_copy_bw": 100 * nbytes(ws) / t / copy_bw}
         del ws

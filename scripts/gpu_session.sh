@@ -59,6 +59,8 @@
 #   q_mscale     weight-only int8/int4 from M = 16 to 8,192: Pallas vs dequantize + dot vs bf16 ($OUT/quantized_mscale.json)
 #   q_xla_paths  one joined Llama-3-8B layer from 1 row to 2,048: the Pallas weight-only kernel against XLA's dot on
 #                the quantized codes and W8A8 int8 / fp8 dots, beside bf16 ($OUT/quantized_xla_paths.json)
+#   q_followup   the gpu-marked quantized tests, the kernels section (M = 1 streams) and int8's batch-1 loop traced:
+#                what per-channel int8 on XLA's dot left to run ($OUT/quantized.json, $OUT/trace_int8/)
 #   q_tests      the quantized matmul kernels' gpu-marked tests, and the model's forward on them (test_quantization)
 #   q_occupancy  bench_quantized.py's occupancy_m1 sweep (K step x steps in flight x split-K at M = 1):
 #                $OUT/quantized_occupancy.json
@@ -244,6 +246,15 @@ print(f(llm.describe()))' ;;
         --out "$OUT/quantized_tilings.json" ;;
     q_xla_paths)
       run q_xla_paths 420 python3 scripts/bench_quantized.py --fresh --sections ceilings,xla_paths --out "$OUT/quantized_xla_paths.json" ;;
+    q_followup)
+      # What the twenty-fifth session left to run on a GPU after per-channel int8 moved to XLA's dot: every
+      # gpu-marked quantized test (the model-level one among them), the M = 1 streams (XLA's dot with one row padded
+      # to two beside the kernel), int8's batch-1 loop traced, then the offline figures with int8 / fp8 weights.
+      run q_followup_tests 300 python3 -m pytest -q -m gpu tests/test_quantization.py tests/pallas_kernels/test_quantized_matmul.py
+      run q_followup_kernels 300 python3 scripts/bench_quantized.py --fresh --sections ceilings,kernels --out "$OUT/quantized.json"
+      mkdir -p "$OUT/trace_int8"
+      run q_followup_trace 280 python3 scripts/trace_engine.py --batch 1 --memory-fraction 0.85 --overlap-only \
+        --single-step-max-rows 0 --quantization int8 --out "$OUT/trace_int8/trace.json" ;;
     q_mscale)
       run q_mscale 400 python3 scripts/bench_quantized.py --sections ceilings,m_scale --out "$OUT/quantized_mscale.json" ;;
     q_tests)
