@@ -318,8 +318,9 @@ def dequantize_matmul(x: jax.Array, wq: QuantizedWeights) -> jax.Array:
 #   bf16 dot         151   153   154   156   162   175   182   204   312
 # The kernel loses at decode to its split-K epilogue (sum, transpose, scale: separate XLA kernels) and at many rows
 # to its one warpgroup per 128 rows. At one row XLA's dot is slower (107 us, the kernel 104; padded to 8 rows 97),
-# so a single row is padded to two (the engine's smallest decode bucket; not timed at one row since). Grouped scales and zero points (GGUF Q8_0 / Q4_K, int4) stay on the kernel:
-# XLA materializes the dequantized weights for them (452 us for int4 in groups of 128 at one row).
+# so a single row is padded to two (the engine's smallest decode bucket; not timed at one row since). Grouped
+# scales and zero points (GGUF Q8_0 / Q4_K, int4) stay on the kernel: XLA materializes the dequantized weights for
+# them (452 us for int4 in groups of 128 at one row).
 XLA_PER_CHANNEL_8BIT = True
 
 
