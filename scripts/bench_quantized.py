@@ -150,9 +150,7 @@ def nbytes(tree: Any) -> int:
 def m1_kernels(s: dict[str, Any], copy_bw: float) -> dict[str, Any]:
     """The weight set at M = 1 for bf16, int8 per channel (on XLA's dot, and on the Pallas kernel) / in groups of 128
     and 32, and int4 with zero points in groups of 32 / 128 (and in groups of 32 in plain order)."""
-    from pallas_kernels.quantized_matmul import quantize_weights, quantized_matmul
-
-    from pallas_kernels.quantized_matmul import gpu
+    from pallas_kernels.quantized_matmul import gpu, quantize_weights, quantized_matmul
 
     formats = {"bf16": None, **WEIGHT_ONLY_FORMATS, "int8_kernel": dict(bits=8), "int8_g128": dict(bits=8, group_size=128),
                "int8_g32": dict(bits=8, group_size=32),

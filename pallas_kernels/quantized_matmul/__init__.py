@@ -65,11 +65,11 @@ def _warn_once(reason: str) -> None:
 def quantized_matmul(x: jax.Array, wq: QuantizedWeights, *, impl: Impl = "auto",
                      interpret: bool = False) -> jax.Array:
     """x [M, K] @ wq ([K, N] quantized) -> [M, N] in x.dtype, fp32 accumulation."""
+    from pallas_kernels.quantized_matmul import gpu
+
     chosen = resolve_impl(impl)
-    if chosen == "gpu" and not interpret:
-        from pallas_kernels.quantized_matmul import gpu
-        if gpu.xla_takes(wq):  # per-channel 8-bit: XLA's dot on the widened codes is faster at every M
-            return gpu.convert_matmul(x, wq)
+    if chosen == "gpu" and not interpret and gpu.xla_takes(wq):  # per-channel 8-bit: XLA's dot on the widened codes
+        return gpu.convert_matmul(x, wq)
     if chosen == "gpu" and impl == "auto":
         reason = gpu_unsupported_reason(wq)
         if reason is not None:
@@ -92,7 +92,6 @@ def quantized_matmul(x: jax.Array, wq: QuantizedWeights, *, impl: Impl = "auto",
         compute = jnp.float16 if x.dtype == jnp.float16 else jnp.bfloat16
         return gpu_fp8.w8a8_matmul(xp.astype(compute), wq.values, wq.scales[0],
                                    interpret=interpret).astype(x.dtype)
-    from pallas_kernels.quantized_matmul import gpu
     if not interpret and x.shape[0] >= gpu.dequantize_from_m(wq):
         return gpu.dequantize_matmul(x, wq)  # prefill-sized M: the kernel is built for decode rows
     return gpu.quantized_matmul(x, wq, interpret=interpret)
