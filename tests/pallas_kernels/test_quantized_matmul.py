@@ -445,5 +445,7 @@ def test_gpu_kernels_carry_their_names_into_profiles(rng):
     xs = jnp.asarray(rng.standard_normal((256, 1024), dtype=np.float32)).astype(jnp.bfloat16)
     _, spans = device_spans(lambda: (gpu.quantized_matmul(x, wq8), quantized_matmul(xs, wq_fp8, impl="gpu")))
     names = " ".join(spans)
-    assert "quantized_matmul" in names and "fp8_matmul" in names and "anonymous" not in names, names
+    assert "quantized_matmul" in names and "fp8_matmul" in names, names
+    # Only Mosaic kernels count: the profiler's own timing kernels live in C++ anonymous namespaces.
+    assert not [n for n in spans if "mosaic_gpu" in n and "anonymous" in n], names
     assert {kernel_class(n) for n in spans if "quantized_matmul" in n or "fp8_matmul" in n} == {"matmul"}
