@@ -249,7 +249,7 @@ print(f(llm.describe()))' ;;
     q_followup)
       # What the twenty-fifth session left to run on a GPU after per-channel int8 moved to XLA's dot: every
       # gpu-marked quantized test (the model-level one among them), the M = 1 streams (XLA's dot with one row padded
-      # to two beside the kernel), int8's batch-1 loop traced, then the offline figures with int8 / fp8 weights.
+      # to two beside the kernel) and int8's batch-1 loop traced. The offline figures are q_offline's.
       run q_followup_tests 300 python3 -m pytest -q -m gpu tests/test_quantization.py tests/pallas_kernels/test_quantized_matmul.py
       run q_followup_kernels 300 python3 scripts/bench_quantized.py --fresh --sections ceilings,kernels --out "$OUT/quantized.json"
       mkdir -p "$OUT/trace_int8"
