@@ -66,6 +66,7 @@ from pallas_kernels.grouped_matmul import gather_matmul, grouped_matmul, swiglu_
 from pallas_kernels.grouped_matmul import gpu as gmm_gpu
 from pallas_kernels.grouped_matmul import gpu_swiglu as gmm_swiglu
 from pallas_kernels.grouped_matmul import resolve_impl as resolve_experts_impl
+from pallas_kernels.moe_routing import top_k_routing
 from pallas_kernels.ragged_paged_attention import resolve_impl
 
 
@@ -453,16 +454,28 @@ class ModelRunner(CompiledPrograms):
 
 def gpu_pair_kernel(interpret: bool = False, swiglu_tiling=None) -> PairKernel:
     """The per-pair kernels of MoE decode steps on a GPU, as the runner uses them (scripts/profile_moe_block.py
-    times this too): gather_matmul, and the fused SwiGLU kernel where it takes the experts (16-bit weights).
+    times this too): gather_matmul, the fused SwiGLU kernel where it takes the experts (16-bit weights), and the
+    routing kernel (pallas_kernels.moe_routing, Pallas Triton) fed the router's product as ROUTER_SPLITS partials.
 
-    PairKernel.select_top_k (pallas_kernels.moe_routing, a Pallas Triton kernel) stays off: on one H200 it took
-    ~1 us a layer off the device time of a batch-1 step but not measurably off the loop's iteration (3.82 -> 3.81
-    ms), and the end-to-end effect was not A/B'd (docs/PERFORMANCE.md)."""
+    The routing kernel replaces XLA's top-k (a sort and a slice of its first k columns) and the sum of the split-K
+    router product's partials: three kernels of a decode layer become one, and XLA adds one back (a transpose of
+    the kernel's [T, k] outputs for the combine). One H200, Qwen3-30B-A3B's batch-1 decode loop, same process
+    (scripts/moe_b1_variants.py, docs/benchmarks/moe_b1_fusion_h200_2026-11-28.json): 3.68 -> 3.61 ms an iteration
+    with the routing kernel on whole logits; fed the split product, one more kernel a layer goes."""
+    route_impl = "pallas_gpu" if interpret else "auto"  # auto: the reference for shapes the kernel does not take
     return PairKernel(functools.partial(gather_matmul, impl="pallas_gpu", interpret=interpret),
                       takes=gmm_gpu.supported,
                       swiglu=functools.partial(swiglu_experts, impl="pallas_gpu", interpret=interpret,
                                                tiling=swiglu_tiling),
-                      swiglu_takes=gmm_swiglu.supported)
+                      swiglu_takes=gmm_swiglu.supported,
+                      select_top_k=functools.partial(top_k_routing, impl=route_impl, interpret=interpret),
+                      router_splits=ROUTER_SPLITS)
+
+
+# The router's product reaches the routing kernel as this many partial products over slices of D (at most; fewer
+# where D is small, moe_routing.router_splits): XLA's autotuner split Qwen3-30B-A3B's [2, 2048] x [2048, 128] router
+# 32 ways on an H200 and then summed the partials in a kernel of its own; the routing kernel sums them instead.
+ROUTER_SPLITS = 32
 
 
 def forward_kind(num_tokens: int) -> str:

@@ -68,10 +68,13 @@ class PairKernel:
     # otherwise `matmul` runs three times.
     swiglu: Callable[..., jax.Array] | None = None
     swiglu_takes: Callable[..., bool] = lambda *operands: False
-    # The routing of such steps, or None (the reference): (logits [T, E] f32, top_k, renorm) -> (weights [T, k],
-    # experts [T, k]); e.g. pallas_kernels.moe_routing.top_k_routing, one kernel where XLA runs a sort and two more
-    # (the runner leaves it off for now; see its comment).
+    # The routing of such steps, or None (the reference): (logits [T, E] f32, or [P, T, E] partial sums when
+    # router_splits P > 1, top_k, renorm) -> (weights [T, k], experts [T, k]); e.g.
+    # pallas_kernels.moe_routing.top_k_routing, one kernel where XLA runs a sort and two more.
     select_top_k: Callable[..., tuple[jax.Array, jax.Array]] | None = None
+    # How many partial products over D's slices the router's logits reach select_top_k in (1: whole logits); the
+    # routing kernel then also does the partials' sum, which XLA's split-K router product ran as a kernel of its own.
+    router_splits: int = 1
 
 
 # Steps of at most this many (token, slot) pairs take the per-pair path when a PairKernel takes them: a decode
@@ -105,12 +108,16 @@ class Routing:
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool,
-          select_top_k: Callable[..., tuple[jax.Array, jax.Array]] | None = None) -> Routing:
+          select_top_k: Callable[..., tuple[jax.Array, jax.Array]] | None = None, splits: int = 1) -> Routing:
     """Softmax over all experts in float32, the top-k of it, renormalized to sum 1 when asked (computed as in
-    pallas_kernels.moe_routing.reference, or by `select_top_k` on the logits, e.g. its kernel)."""
+    pallas_kernels.moe_routing.reference, or by `select_top_k` on the logits, e.g. its kernel, which takes them as
+    `splits` partial products when splits > 1)."""
     # Products of 16-bit values are exact in float32, so 16-bit operands summed in float32 give the float32
     # logits without a float32 copy of x and the router (a 4k-token prefill read twice the bytes that way).
-    logits = jnp.einsum("td,de->te", x, router.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, E]
+    if splits > 1 and select_top_k is not None:
+        logits = moe_routing.split_router_logits(x, router.astype(x.dtype), splits)  # [P, T, E]
+    else:
+        logits = jnp.einsum("td,de->te", x, router.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, E]
     weights, experts = (select_top_k or moe_routing.reference)(logits, top_k, norm_topk_prob)  # [T, k] each
     return Routing(weights=weights, experts=experts.astype(jnp.int32))
 
@@ -120,8 +127,10 @@ def step_routing(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bo
     """`route` for a step of x's tokens: with the pair kernel's own top-k where the step takes the per-pair path
     (a decode step), so routing and experts come from the same set of kernels."""
     small = x.shape[0] * top_k <= PAIR_PATH_MAX_PAIRS
-    select = pair_kernel.select_top_k if pair_kernel is not None and small else None
-    return route(x, router, top_k, norm_topk_prob, select)
+    if pair_kernel is None or not small or pair_kernel.select_top_k is None:
+        return route(x, router, top_k, norm_topk_prob)
+    splits = moe_routing.router_splits(x.shape[1], pair_kernel.router_splits)
+    return route(x, router, top_k, norm_topk_prob, pair_kernel.select_top_k, splits)
 
 
 def expert_token_counts(experts: jax.Array, num_experts: int, valid: jax.Array | None = None) -> jax.Array:
@@ -225,7 +234,13 @@ def _combine_parts(parts: jax.Array, mine: jax.Array, weights: jax.Array) -> jax
     """parts [S, k, T, D] float32 partial sums of each (slot, token) pair's expert output -> the sum over the S
     partials and the k slots, weighted, over the pairs that are `mine` ([T, k]): float32 [T, D]. The summed
     axes lead, so the reduction needs no transpose (with pairs token-major XLA transposed first, a kernel more);
-    `where`, not the zero weight alone, because rows of other pairs are unwritten."""
+    `where`, not the zero weight alone, because rows of other pairs are unwritten.
+
+    XLA still forms the masked, weighted terms in a fusion of their own before the reduction (and, with the routing
+    kernel, transposes the [T, k] weights and masks in a third). Written as one elementwise sum of the S * k slices,
+    or as a reduction over S and then the k slots, it became one kernel, but one whose 4,096 threads each add 96
+    values: 4.5-5.0 us a layer on an H200 against 4.5 us for the three (scripts/moe_b1_variants.py,
+    docs/benchmarks/moe_b1_fusion_h200_2026-11-28.json), so this form stays."""
     s, k, t, d = parts.shape
     terms = jnp.where(mine.T[None, :, :, None], parts * weights.T[None, :, :, None], 0.0)  # [S, k, T, D]
     return jnp.sum(terms.reshape(s * k, t, d), axis=0)  # [T, D]

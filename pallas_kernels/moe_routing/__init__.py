@@ -2,6 +2,11 @@
 
     weights [T, k] f32, experts [T, k] i32 = top_k_routing(logits [T, E] f32, top_k, renorm, impl="auto")
 
+`logits` may also come as [P, T, E] partial sums (the router's product split along D), which the kernel adds up
+first: XLA computes a small router product split-K anyway (an H200 split Qwen3-30B-A3B's 2048 x 128 router 32
+ways) and then sums the partials in a kernel of its own; handed the split product, the routing kernel does that
+sum too (`split_router_logits`).
+
 `renorm` (Qwen3-MoE's `norm_topk_prob`, always on for Mixtral): the weights are a softmax over the k chosen
 logits (they sum to 1); otherwise they are the chosen experts' probabilities in a softmax over all E. Ties go to
 the lower expert id, as `jax.lax.top_k`. `reference` is the jnp form; `pallas_gpu` a Pallas Triton kernel.
@@ -11,11 +16,12 @@ slices its first k columns in a kernel of their own, and the softmax over those 
 fusion in front of the MoE combine, which then writes its [S, k, T, D] input out once more (it cannot fuse into
 the combine's reduction). With the routing in one kernel that writes the final weights, one MoE layer took 39.5
 -> 38.5 us of device time at batch 1 and ran a kernel fewer at 16 tokens (one H200,
-docs/benchmarks/moe_block_routing_h200.json). The engine does not use it yet: the decode loop's iteration
-did not move (3.82 -> 3.81 ms) and the end-to-end effect was not A/B'd (docs/PERFORMANCE.md, issue 13); JAX
-0.11.2 also warns that its Pallas Triton backend is deprecated. The kernel is one program over the whole [T, E] block
-(k rounds of a row max and the lowest index that reaches it), so it is meant for decode steps: `takes` asks for
-power-of-two T, E and k (Triton block shapes) and T * E up to 16k.
+docs/benchmarks/moe_block_routing_h200.json). The engine's GPU decode steps use it (jaxinfer.engine.runner's
+gpu_pair_kernel), fed the router's split product: in the batch-1 decode loop of Qwen3-30B-A3B it takes the place of
+three kernels a layer (docs/benchmarks/moe_b1_fusion_h200_2026-11-28.json). JAX 0.11.2 warns that its Pallas
+Triton backend is deprecated. The kernel is one program over the whole [T, E] block (k rounds of a row max and the
+lowest index that reaches it; the [P, T, E] partials are added one [T, E] slice at a time), so it is meant for
+decode steps: `takes` asks for power-of-two T, E and k (Triton block shapes) and T * E up to 16k.
 """
 
 from __future__ import annotations
@@ -31,9 +37,32 @@ Impl = Literal["auto", "reference", "pallas_gpu"]
 _MAX_BLOCK = 16 * 1024  # T * E of one program: 16 tokens x 128 experts, a decode step's pair path
 
 
-def reference(logits: jax.Array, top_k: int, renorm: bool) -> tuple[jax.Array, jax.Array]:
-    """The specification: [T, k] weights and expert ids from float32 logits [T, E]."""
+def split_router_logits(x: jax.Array, router: jax.Array, splits: int) -> jax.Array:
+    """x [T, D] @ router [D, E] as `splits` float32 partial products over D's consecutive slices: [P, T, E]."""
+    t, d = x.shape
+    xs = x.reshape(t, splits, d // splits)  # [T, P, D/P]
+    rs = router.reshape(splits, d // splits, router.shape[1])  # [P, D/P, E]
+    return jnp.einsum("tpd,pde->pte", xs, rs, preferred_element_type=jnp.float32)  # [P, T, E]
+
+
+def router_splits(hidden: int, most: int = 32, least_width: int = 64) -> int:
+    """How many D slices `split_router_logits` takes: the largest power of two up to `most` that divides D into
+    slices of at least `least_width` (a power of two because the kernel's block [P, T, E] is one)."""
+    p = 1
+    while p * 2 <= most and hidden % (p * 2) == 0 and hidden // (p * 2) >= least_width:
+        p *= 2
+    return p
+
+
+def _summed(logits: jax.Array) -> jax.Array:
+    """[T, E] float32 logits from [T, E] or [P, T, E] partial sums."""
     logits = logits.astype(jnp.float32)
+    return logits.sum(axis=0) if logits.ndim == 3 else logits
+
+
+def reference(logits: jax.Array, top_k: int, renorm: bool) -> tuple[jax.Array, jax.Array]:
+    """The specification: [T, k] weights and expert ids from float32 logits [T, E] (or [P, T, E] partials)."""
+    logits = _summed(logits)
     if renorm:
         # The softmax over all E is monotone and its denominator cancels in the renormalization.
         top, experts = jax.lax.top_k(logits, top_k)  # [T, k] each; ties to the lower id
@@ -53,8 +82,10 @@ def takes(num_tokens: int, num_experts: int, top_k: int) -> bool:
 
 
 def _kernel(logits_ref, weights_ref, experts_ref, *, top_k: int, renorm: bool):
-    # logits_ref [T, E] f32; weights_ref [T, k] f32; experts_ref [T, k] i32.
-    logits = logits_ref[...]
+    # logits_ref [P, T, E] f32 partial sums; weights_ref [T, k] f32; experts_ref [T, k] i32.
+    logits = logits_ref[0]
+    for p in range(1, logits_ref.shape[0]):  # P is small (<= 32) and static: unrolled loads of [T, E]
+        logits = logits + logits_ref[p]
     tokens, num_experts = logits.shape
     col = jnp.broadcast_to(jnp.arange(num_experts, dtype=jnp.int32)[None, :], (tokens, num_experts))  # [T, E]
     slot = jnp.broadcast_to(jnp.arange(top_k, dtype=jnp.int32)[None, :], (tokens, top_k))  # [T, k]
@@ -82,21 +113,26 @@ def _pallas_gpu(logits: jax.Array, top_k: int, renorm: bool, interpret: bool = F
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as plt
 
-    tokens, _ = logits.shape
+    parts = logits.astype(jnp.float32).reshape(-1, *logits.shape[-2:])  # [P, T, E]
+    tokens = parts.shape[1]
     out = (jax.ShapeDtypeStruct((tokens, top_k), jnp.float32), jax.ShapeDtypeStruct((tokens, top_k), jnp.int32))
     return pl.pallas_call(
         functools.partial(_kernel, top_k=top_k, renorm=renorm), out_shape=out, interpret=interpret,
         compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
-    )(logits.astype(jnp.float32))
+    )(parts)
 
 
 def top_k_routing(logits: jax.Array, top_k: int, renorm: bool, *, impl: Impl = "auto",
                   interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(weights [T, k] f32, experts [T, k] i32) of logits [T, E] (module docstring). impl="auto": the Pallas
-    kernel on a GPU where it `takes` the shape, the reference otherwise."""
+    """(weights [T, k] f32, experts [T, k] i32) of logits [T, E] or partial logits [P, T, E] (module docstring).
+    impl="auto": the Pallas kernel on a GPU where it `takes` the shape, the reference otherwise."""
     if impl not in ("auto", "reference", "pallas_gpu"):
         raise ValueError(f"impl must be 'auto', 'reference' or 'pallas_gpu', got {impl!r}")
-    tokens, num_experts = logits.shape
+    tokens, num_experts = logits.shape[-2:]
+    if logits.ndim == 3 and not _pow2(logits.shape[0]):
+        impl = "reference" if impl == "auto" else impl  # the kernel's [P, T, E] block needs a power-of-two P
+        if impl == "pallas_gpu":
+            raise ValueError(f"the routing kernel sums a power-of-two number of partials, got {logits.shape[0]}")
     if impl == "auto":
         gpu = jax.default_backend() == "gpu" and takes(tokens, num_experts, top_k)
         impl = "pallas_gpu" if gpu else "reference"
@@ -108,4 +144,4 @@ def top_k_routing(logits: jax.Array, top_k: int, renorm: bool, *, impl: Impl = "
     return _pallas_gpu(logits, top_k, renorm, interpret)
 
 
-__all__ = ["reference", "takes", "top_k_routing"]
+__all__ = ["reference", "router_splits", "split_router_logits", "takes", "top_k_routing"]

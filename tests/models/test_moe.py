@@ -218,25 +218,40 @@ def test_pair_path_only_for_small_steps_and_operands_it_takes() -> None:
 def test_pair_path_with_the_gpu_kernel_in_interpret_mode() -> None:
     """The engine's GPU pair kernel (Mosaic GPU interpreter on CPU) at a bf16 decode step: 16 token rows of
     which 3 are real, top-4 of 8 experts, D and F on the kernel's 64 grid; the three-launch form and the fused
-    SwiGLU kernel as the runner builds them on a GPU, and that with the routing kernel."""
+    SwiGLU kernel as the runner builds them on a GPU (routing kernel fed the router's split product), and that with
+    the routing kernel on whole logits."""
+    _check_gpu_pair_kernel(interpret=True, d=128, f=64, e=8, t=16, top_k=4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [2, 16])
+def test_pair_path_with_the_gpu_kernels(t: int) -> None:
+    """The same on a GPU at Qwen3-30B-A3B's expert shapes (D 2048, F 768, top-8 of 128): the batch-1 bucket (2 rows)
+    and the 16-row one, with the routing kernel summing the router's 32 partial products."""
+    _check_gpu_pair_kernel(interpret=False, d=2048, f=768, e=128, t=t, top_k=8)
+
+
+def _check_gpu_pair_kernel(interpret: bool, d: int, f: int, e: int, t: int, top_k: int) -> None:
     from jaxinfer.engine.runner import gpu_pair_kernel
     from pallas_kernels.moe_routing import top_k_routing
 
     r = np.random.default_rng(9)
-    d, f, e, t = 128, 64, 8, 16
     n = lambda *s: jnp.asarray(r.standard_normal(s), jnp.float32)  # noqa: E731
     w = MoEWeights(router=n(d, e) * 3 / np.sqrt(d), w_gate=n(e, d, f) / np.sqrt(d), w_up=n(e, d, f) / np.sqrt(d),
                    w_down=n(e, f, d) / np.sqrt(f))
     w = jax.tree.map(lambda a: a.astype(jnp.bfloat16), w)
     x = n(t, d).astype(jnp.bfloat16)
-    valid = jnp.arange(t) < 3
-    ref, _ = moe_block(x, w, top_k=4, norm_topk_prob=True, valid=valid)
+    real = min(t - 1, 3)
+    valid = jnp.arange(t) < real
+    ref, _ = moe_block(x, w, top_k=top_k, norm_topk_prob=True, valid=valid)
     ref = np.asarray(ref, np.float32)
-    fused = gpu_pair_kernel(interpret=True)  # as the runner builds it on a GPU
+    fused = gpu_pair_kernel(interpret=interpret)  # as the runner builds it on a GPU
+    assert fused.select_top_k is not None and fused.router_splits > 1
     three = dataclasses.replace(fused, swiglu=None)
-    routed = dataclasses.replace(fused, select_top_k=lambda *a: top_k_routing(*a, impl="pallas_gpu", interpret=True))
-    for kernel in (three, fused, routed):
-        ours, _ = moe_block(x, w, top_k=4, norm_topk_prob=True, valid=valid, pair_kernel=kernel)
+    whole = dataclasses.replace(fused, router_splits=1,
+                                select_top_k=lambda *a: top_k_routing(*a, impl="pallas_gpu", interpret=interpret))
+    for kernel in (three, fused, whole):
+        ours, _ = moe_block(x, w, top_k=top_k, norm_topk_prob=True, valid=valid, pair_kernel=kernel)
         ours = np.asarray(ours, np.float32)
-        assert np.isfinite(ours).all() and not ours[3:].any()
+        assert np.isfinite(ours).all() and not ours[real:].any()
         assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1e-2

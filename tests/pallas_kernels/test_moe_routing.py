@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.moe_routing import reference, takes, top_k_routing
+from pallas_kernels.moe_routing import reference, router_splits, split_router_logits, takes, top_k_routing
 
 
 def _oracle(logits: np.ndarray, top_k: int, renorm: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -74,5 +74,42 @@ def test_gpu_kernel_matches_reference(rng, tokens, experts, top_k, renorm):
     logits = jnp.asarray(logits)
     weights, ids = top_k_routing(logits, top_k, renorm, impl="pallas_gpu")
     want_w, want_e = reference(logits, top_k, renorm)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_e))
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_w), rtol=1e-5, atol=1e-7)
+
+
+def _partials(rng, splits: int, tokens: int, experts: int):
+    """[P, T, E] random partial logits whose sum has a planted tie (equal sums must go to the lower id)."""
+    parts = rng.standard_normal((splits, tokens, experts)).astype(np.float32)
+    parts[:, :, experts // 2] = parts[:, :, 1]  # equal partials, so the sums tie exactly in any order
+    return jnp.asarray(parts)
+
+
+@pytest.mark.parametrize("splits", [1, 4, 32])
+def test_kernel_sums_partial_logits_in_interpret_mode(rng, splits):
+    """[P, T, E] partial products (the split router product) give the routing of their sum."""
+    parts = _partials(rng, splits, 2, 128)
+    weights, ids = top_k_routing(parts, 8, True, impl="pallas_gpu", interpret=True)
+    want_w, want_e = reference(parts.sum(axis=0), 8, True)
+    np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_e))
+    np.testing.assert_allclose(np.asarray(weights), np.asarray(want_w), rtol=1e-5, atol=1e-7)
+
+
+def test_split_router_logits_sum_to_the_router_product(rng):
+    x = jnp.asarray(rng.standard_normal((3, 256)), jnp.bfloat16)
+    router = jnp.asarray(rng.standard_normal((256, 16)), jnp.bfloat16)
+    assert router_splits(256) == 4 and router_splits(2048) == 32 and router_splits(64) == 1 and router_splits(192) == 2
+    parts = split_router_logits(x, router, 4)  # [4, 3, 16]
+    whole = jnp.einsum("td,de->te", x, router, preferred_element_type=jnp.float32)
+    assert parts.shape == (4, 3, 16)
+    np.testing.assert_allclose(np.asarray(parts.sum(axis=0)), np.asarray(whole), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("splits, tokens", [(32, 2), (32, 16), (2, 8)])
+def test_gpu_kernel_sums_partial_logits(rng, splits, tokens):
+    parts = _partials(rng, splits, tokens, 128)
+    weights, ids = top_k_routing(parts, 8, True, impl="pallas_gpu")
+    want_w, want_e = reference(parts.sum(axis=0), 8, True)
     np.testing.assert_array_equal(np.asarray(ids), np.asarray(want_e))
     np.testing.assert_allclose(np.asarray(weights), np.asarray(want_w), rtol=1e-5, atol=1e-7)
