@@ -133,13 +133,14 @@ def project(x: jax.Array, w: Any, spec: str, out_axis: Logical, linear: Linear =
 
 
 def joined_projection(x: jax.Array, fused: FusedColumns, out_axis: Logical,
-                      linear: Linear = DEFAULT_LINEAR) -> list[jax.Array]:
-    """x [T, D] times weights joined at load (models.fused) -> each part's output [T, N_part]."""
+                      linear: Linear = DEFAULT_LINEAR, split: bool = True) -> Any:
+    """x [T, D] times weights joined at load (models.fused) -> each part's output [T, N_part]; or, with
+    split=False, the joined product [T, S * W] itself (device-major: split_outputs)."""
     if is_quantized(fused.w):
         y = linear.matmul(x, fused.w, Logical.EMBED, out_axis)  # [T, S * W]
     else:
         y = jnp.einsum("td,dn->tn", x, fused.w)  # [T, S * W]
-    return split_outputs(y, fused)
+    return split_outputs(y, fused) if split else y
 
 
 def head_projections(x: jax.Array, wq: Any, wk: Any, wv: Any, head_dim: int,

@@ -34,6 +34,7 @@ from jaxinfer.models.common import (
     GEMMA_FIELDS,
     embed_lookup,
     head_projections,
+    joined_projection,
     MOE_FIELDS,
     MOE_REQUIRED,
     AttentionFn,
@@ -50,6 +51,7 @@ from jaxinfer.models.common import (
     rms_norm,
     rope_inv_freq,
 )
+from jaxinfer.models.fused import FusedColumns
 from jaxinfer.models.moe import MoEFn, MoEWeights, moe_block, moe_specs, valid_tokens
 from jaxinfer.params import Init, ParamSpec
 from jaxinfer.sharding import Logical as L
@@ -143,6 +145,38 @@ def moe_param_specs(cfg: ModelConfig, dtype: jnp.dtype) -> Qwen3Weights:
     return _param_specs(cfg, dtype)
 
 
+# Steps of at most this many tokens (decode buckets) norm q and k in one pass (normed_qkv).
+QK_NORM_JOIN_MAX_TOKENS = 64
+
+
+def normed_qkv(layer: Qwen3Layer, x: jax.Array, eps: float,
+               linear: Linear = DEFAULT_LINEAR) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [T, D] -> q [T, N, H], k [T, K, H] after QK-norm, and v [T, K, H].
+
+    With q/k/v joined at load on one device (FusedColumns, N not split), the q and k heads are consecutive in the
+    product and take one RMSNorm over [T, N + K, H], each head its own weight: separately they were two norm
+    kernels per layer in the batch-1 decode loop (1.4 us each on an H200; joined, XLA also fused q's RoPE into the
+    norm: one kernel a layer fewer, docs/benchmarks/moe_b1_fusion_h200_2026-11-28.json). Split over devices, q's
+    and k's heads sit in different blocks, and each is normed on its own. So are steps over QK_NORM_JOIN_MAX_TOKENS
+    tokens (prefill), whose norms are not bound by kernel launches: joined there too, the GPU parity test's 300-token
+    prefill (tests/test_parity_moe.py) came out 0.1017 from the reference path against its bound of 0.1 (the
+    rounding of XLA's other fusions; the margin before the join was not measured)."""
+    head_dim = layer.q_norm.shape[0]
+    wq = layer.wq
+    if not (isinstance(wq, FusedColumns) and wq.shards == 1 and x.shape[0] <= QK_NORM_JOIN_MAX_TOKENS):
+        q, k, v = head_projections(x, wq, layer.wk, layer.wv, head_dim, linear)  # [T, N|K, H]
+        return rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps), v
+    t, (n, kv) = x.shape[0], (wq.widths[0] // head_dim, wq.widths[1] // head_dim)
+    y = joined_projection(x, wq, L.Q_HEADS, linear, split=False)  # [T, (N + 2K) * H]
+    # Sliced before the split into heads: a slice of the heads axis of the [T, N + 2K, H] view was copied out in a
+    # kernel of its own, a slice of the flat product is read in place by the norm.
+    qk = y[:, :(n + kv) * head_dim].reshape(t, n + kv, head_dim)  # [T, N + K, H]
+    is_q = jnp.arange(n + kv)[:, None] < n  # [N + K, 1]
+    weight = jnp.where(is_q, layer.q_norm[None, :], layer.k_norm[None, :])  # [N + K, H]
+    qk = rms_norm(qk, weight, eps)  # [T, N + K, H]
+    return qk[:, :n], qk[:, n:], y[:, (n + kv) * head_dim:].reshape(t, kv, head_dim)
+
+
 def attention_block(
     layer: Qwen3Layer,
     x: jax.Array,
@@ -154,9 +188,9 @@ def attention_block(
     attn_fn: AttentionFn,
     linear: Linear = DEFAULT_LINEAR,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    q, k, v = head_projections(x, layer.wq, layer.wk, layer.wv, layer.q_norm.shape[0], linear)  # [T, N|K, H]
-    q = apply_rope(rms_norm(q, layer.q_norm, eps), md.positions, inv_freq)  # norm over H, per head
-    k = apply_rope(rms_norm(k, layer.k_norm, eps), md.positions, inv_freq)
+    q, k, v = normed_qkv(layer, x, eps, linear)  # [T, N|K, H], q and k normed over H per head
+    q = apply_rope(q, md.positions, inv_freq)
+    k = apply_rope(k, md.positions, inv_freq)
     attn, k_pages, v_pages = attn_fn(q, k, v, k_pages, v_pages, md)  # [T, N, H]
     out = output_projection(attn, layer.wo, linear)  # [T, D]
     return out, k_pages, v_pages
