@@ -1,0 +1,223 @@
+"""Batch-1 decode of an MoE model under code variants, in one process: device time per iteration of the 2-row
+decode loop, its kernel launches per iteration by name, and the compiled HLO of each variant.
+
+Why one process: the run of record's engine compiles ~36 programs in warmup (~150 s on an H200). Here the engine
+starts without warmup, compiles only the prefill of one prompt and, per variant, the one decode loop the bucket
+runs, so each extra variant costs one compile. A variant is a patch applied before that compile (the model's code
+is read at trace time); each is timed against the same engine, weights and prompt.
+
+    PYTHONPATH=$PWD python3 scripts/moe_b1_variants.py --variants base new --out $OUT/variants.json --hlo-dir $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import functools
+import gzip
+import json
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from jaxinfer import LLM, SamplingParams
+from jaxinfer.bench.measure import device_events
+from jaxinfer.bench.workloads import fixed, prompts
+from jaxinfer.engine.runner import decode_kind
+
+
+def _slices_combine_parts(parts: jax.Array, mine: jax.Array, weights: jax.Array) -> jax.Array:
+    """A combine tried here: the S * k slices summed in one elementwise fusion (one kernel, but 4,096 threads each
+    adding 96 values: 4.5 us on an H200)."""
+    import jax.numpy as jnp
+
+    out = None
+    for slot in range(parts.shape[1]):
+        rows = functools.reduce(jnp.add, [parts[i, slot] for i in range(parts.shape[0])])  # [T, D]
+        row = jnp.where(mine[:, slot, None], rows * weights[:, slot, None], 0.0)  # [T, D]
+        out = row if out is None else out + row
+    return out
+
+
+def _s_then_k_combine_parts(parts: jax.Array, mine: jax.Array, weights: jax.Array) -> jax.Array:
+    """A combine tried here: a reduction over S, then the k slots weighted as static slices (XLA fused the
+    reduction into the slots' elementwise fusion: one kernel of 5.0 us on an H200)."""
+    import jax.numpy as jnp
+
+    rows = jnp.sum(parts, axis=0)  # [k, T, D]
+    out = None
+    for slot in range(parts.shape[1]):
+        row = jnp.where(mine[:, slot, None], rows[slot] * weights[:, slot, None], 0.0)  # [T, D]
+        out = row if out is None else out + row
+    return out
+
+
+def _old_normed_qkv(layer: Any, x: jax.Array, eps: float, linear: Any) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """QK-norm before this script's session: q's and k's heads normed separately."""
+    from jaxinfer.models.common import head_projections, rms_norm
+
+    q, k, v = head_projections(x, layer.wq, layer.wk, layer.wv, layer.q_norm.shape[0], linear)
+    return rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps), v
+
+
+def _pair_kernel(runner: Any, **changes: Any) -> None:
+    """The runner's MoE block with its pair kernel's fields changed (e.g. select_top_k=None: XLA's top-k)."""
+    import dataclasses
+
+    from jaxinfer.models.moe import moe_block
+
+    pk = runner.moe_fn.keywords["pair_kernel"]
+    if pk is None:  # no pair path here (a CPU run of the script)
+        return
+    pk = dataclasses.replace(pk, **changes)
+    runner.moe_fn = functools.partial(moe_block, expert_matmul=runner.moe_fn.keywords["expert_matmul"],
+                                      pair_kernel=pk)
+
+
+def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = True, splits: bool = True) -> None:
+    """The tree's code with the named pieces (False) put back as they were before this script's session, or with
+    a combine it tried ("slices", "s_then_k")."""
+    from jaxinfer.models import moe, qwen3
+
+    if combine != "tree":
+        moe._combine_parts = {"slices": _slices_combine_parts, "s_then_k": _s_then_k_combine_parts}[combine]
+    if not qk:
+        qwen3.normed_qkv = _old_normed_qkv
+    if not routing:
+        _pair_kernel(runner, select_top_k=None)
+    elif not splits:
+        _pair_kernel(runner, router_splits=1)
+
+
+VARIANTS: dict[str, Callable[[Any], None]] = {
+    "base": functools.partial(_patch, qk=False, routing=False),  # the tree before this script's session
+    "new": _patch,
+    "new_slices_combine": functools.partial(_patch, combine="slices"),
+    "new_s_then_k_combine": functools.partial(_patch, combine="s_then_k"),
+    "new_old_qk": functools.partial(_patch, qk=False),
+    "new_old_routing": functools.partial(_patch, routing=False),
+    "new_unsplit_router": functools.partial(_patch, splits=False),
+}
+
+
+def fresh_decode_jit(runner: Any, kind: str) -> None:
+    """A new jit of the decode loop (same function and options), so the next call traces the patched code."""
+    from jaxinfer.engine.runner import MERGED_DOTS
+
+    old = runner._entry_points[kind]
+
+    # A new partial: jax.jit caches traces by function, and the old one would hand back the unpatched trace.
+    runner._entry_points[kind] = jax.jit(functools.partial(old.__wrapped__), donate_argnums=(1, 2),
+                                         static_argnames=("max_steps", "branch_free"),
+                                         compiler_options=MERGED_DOTS if kind == "small_decode" else None)
+
+
+def decode_args(llm: LLM, ctx: int, steps: int) -> tuple[Any, Any, list[int]]:
+    """One sequence of a `ctx`-token prompt, prefilled; the placed arguments of its decode call in bucket 2."""
+    engine, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(max_tokens=engine.max_model_len - ctx, ignore_eos=True, temperature=0.0)
+    ids = [engine.add_request(p, params) for p in prompts(fixed(ctx, 1, 1), 32000, 1)]
+    while any(not engine.requests[i].seqs[0].token_ids for i in ids):
+        engine.step()
+    engine.flush()
+    plan = engine.scheduler.schedule()
+    slots = engine._slot_rows(plan)
+    shape = engine.decode_shape(1)
+    host_args = engine._decode_args(shape, plan.seqs, slots, steps)
+    return runner.place(host_args), runner.takes_branch_free(host_args[1].sampling), ids
+
+
+def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) -> dict[str, Any]:
+    engine, runner = llm.engine, llm.engine.runner
+    saved_moe_fn = runner.moe_fn
+    from jaxinfer.models import moe, qwen3
+
+    saved = (moe._combine_parts, qwen3.normed_qkv)
+    VARIANTS[name](runner)
+    args, branch_free, ids = decode_args(llm, ctx, engine.decode_steps_per_call)
+    steps = engine.decode_steps_per_call
+    kind = decode_kind(args[0].logits_indices.shape[0])
+    fresh_decode_jit(runner, kind)
+    static = {"max_steps": steps, "branch_free": True} if branch_free else {"max_steps": steps}
+    full = (runner.weights, runner.kv_cache, engine.penalties, *args)
+    t0 = time.perf_counter()
+    exe = runner._jitted(kind).lower(*full, **static).compile()
+    compile_s = time.perf_counter() - t0
+    runner._executables[runner._key(kind, full, static)] = exe
+    if hlo_dir:
+        with gzip.open(Path(hlo_dir, f"decode_b1_{name}.hlo.txt.gz"), "wt") as f:
+            f.write(exe.as_text())
+
+    tokens = []
+
+    def call():
+        engine.penalties, out = runner.decode_steps(engine.penalties, *args, max_steps=steps, branch_free=branch_free)
+        return out
+
+    first = call()
+    tokens.append(np.asarray(first.sampled.tokens)[:, 0].tolist())
+    jax.block_until_ready(call())
+    t = time.perf_counter()
+    for _ in range(calls - 1):
+        call()
+    jax.block_until_ready(call())
+    ms_iter = (time.perf_counter() - t) / calls / steps * 1e3
+    source, events = device_events(lambda: [call() for _ in range(2)])
+    per_name = collections.defaultdict(lambda: [0, 0.0])
+    for ev_name, ms in events:
+        per_name[ev_name][0] += 1
+        per_name[ev_name][1] += ms
+    iters = 2 * steps
+    launches = sum(n for n, _ in per_name.values()) / iters
+    kernel_ms = sum(ms for _, ms in per_name.values()) / iters
+    ranked = sorted(per_name.items(), key=lambda kv: -kv[1][1])
+    for i in ids:
+        engine.abort(i)
+    runner.moe_fn = saved_moe_fn  # every variant starts from the tree's code
+    moe._combine_parts, qwen3.normed_qkv = saved
+    return {"variant": name, "ms_per_iteration": ms_iter, "compile_s": compile_s, "source": source,
+            "launches_per_iteration": launches, "kernel_ms_per_iteration": kernel_ms, "first_tokens": tokens[0],
+            "kernels": [{"name": n[:100], "per_iteration": c / iters, "us_per_iteration": ms * 1e3 / iters}
+                        for n, (c, ms) in ranked]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--model", default="qwen3-30b-a3b")
+    p.add_argument("--variants", nargs="+", default=["base"])
+    p.add_argument("--repeat", type=int, default=1, help="time the variant list this many times (alternating)")
+    p.add_argument("--ctx", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--memory-fraction", type=float, default=0.85)
+    p.add_argument("--out", default="variants.json")
+    p.add_argument("--hlo-dir", default=None)
+    p.add_argument("--budget-s", type=float, default=1e9, help="start no variant after this many seconds")
+    args = p.parse_args()
+    start = time.perf_counter()
+    llm = LLM(args.model, random_weights=True, dtype="bfloat16", max_num_seqs=2, max_model_len=args.ctx + 1024,
+              decode_steps_per_call=args.steps, use_tqdm=False, memory_fraction=args.memory_fraction, warmup=False)
+    print(f"engine up in {time.perf_counter() - start:.0f} s", flush=True)
+    results = []
+    for rep in range(args.repeat):
+        for name in args.variants:
+            if time.perf_counter() - start > args.budget_s:
+                print(f"budget spent: {name} not run", flush=True)
+                continue
+            r = run_variant(llm, name, args.ctx, args.calls, args.hlo_dir if rep == 0 else None)
+            r["repeat"] = rep
+            results.append(r)
+            Path(args.out).write_text(json.dumps(results, indent=1))
+            print(f"{name}: {r['ms_per_iteration']:.3f} ms/iter, {r['launches_per_iteration']:.0f} launches/iter, "
+                  f"kernels {r['kernel_ms_per_iteration']:.3f} ms/iter, compile {r['compile_s']:.0f} s, "
+                  f"tokens {r['first_tokens']}", flush=True)
+    for r in results:
+        print(f"{r['variant']:>12} rep {r['repeat']}: {r['ms_per_iteration']:.3f} ms/iter "
+              f"{r['launches_per_iteration']:.0f} launches/iter")
+
+
+if __name__ == "__main__":
+    main()
