@@ -26,16 +26,18 @@ import pytest  # noqa: E402
 from goldens import load_golden  # noqa: E402  (tests import it from there too)
 
 
-# The slowest modules, slowest first (per-module totals of `--durations` on the 2-core CI machine, 2026-11-26).
-# CI runs the suite with `-n 2 --dist loadfile`: xdist hands whole modules to its two workers in collection
-# order, and collection order put most of these (tests/test_*.py) last, so one worker ran the long tail alone.
-# Starting them first lets the many short modules fill in behind. Only the order changes; every module runs.
+# The slowest modules, slowest first (per-module wall totals on the 2-core machine from an empty compilation cache,
+# 2026-11-28). CI runs the suite with `-n 2 --dist loadfile`: xdist hands whole modules to its two workers in
+# collection order (pyproject's --no-loadscope-reorder keeps it from reordering them by test count), so starting
+# these first lets the many short modules fill in behind instead of one worker running a long module alone at the
+# end. Only the order changes; every module runs.
 SLOWEST_MODULES = (
-    "test_parity.py", "test_parity_spec.py", "test_bench_scaling.py", "engine/test_speculative.py",
-    "serve/test_structured.py", "test_parity_gemma3.py", "distributed/test_multihost.py", "test_beam_search.py",
-    "engine/test_no_copies.py", "test_vllm_examples.py", "test_quantization_accuracy.py", "test_notebooks.py",
-    "engine/test_overlap.py", "test_collectives.py", "test_bench.py", "serve/test_server_smollm2.py",
-    "test_bench_spec.py", "batch/test_batch_jobs.py", "test_quantization.py", "serve/test_engine_process.py",
+    "test_bench_scaling.py", "test_parity_spec.py", "engine/test_speculative.py", "test_parity.py",
+    "pallas_kernels/test_ragged_paged_attention.py", "serve/test_structured.py", "test_beam_search.py",
+    "test_parity_gemma3.py", "test_bench.py", "pallas_kernels/test_quantized_matmul.py",
+    "test_quantization_accuracy.py", "distributed/test_multihost.py", "pallas_kernels/test_grouped_matmul.py",
+    "engine/test_no_copies.py", "test_quantization.py", "test_vllm_examples.py", "serve/test_engine_process.py",
+    "engine/test_overlap.py", "serve/test_server_smollm2.py", "engine/test_pipeline.py",
 )
 
 
