@@ -62,7 +62,7 @@ from jaxinfer.models import ModelFamily
 from jaxinfer.models.common import AttentionMetadata, gather_last_tokens
 from jaxinfer.models.moe import PairKernel
 from jaxinfer.sharding import Logical, ShardingRules, axis_size, replicated
-from pallas_kernels.grouped_matmul import gather_matmul, grouped_matmul, swiglu_experts
+from pallas_kernels.grouped_matmul import gather_matmul, grouped_matmul
 from pallas_kernels.grouped_matmul import gpu as gmm_gpu
 from pallas_kernels.grouped_matmul import gpu_swiglu as gmm_swiglu
 from pallas_kernels.grouped_matmul import resolve_impl as resolve_experts_impl
@@ -461,13 +461,17 @@ def gpu_pair_kernel(interpret: bool = False, swiglu_tiling=None) -> PairKernel:
     router product's partials: three kernels of a decode layer become one, and XLA adds one back (a transpose of
     the kernel's [T, k] outputs for the combine). One H200, Qwen3-30B-A3B's batch-1 decode loop, same process
     (scripts/moe_b1_variants.py, docs/benchmarks/moe_b1_fusion_h200_2026-11-28.json): 3.68 -> 3.61 ms an iteration
-    with the routing kernel on whole logits; fed the split product, one more kernel a layer goes."""
+    with the routing kernel on whole logits; fed the split product, one more kernel a layer goes.
+
+    The SwiGLU kernel is given the routing weights (swiglu_weighted): it scales each pair's rows and writes zeros
+    for the pairs it skips, so the combine is a plain sum, and its mask fusion and that transpose go (two kernels
+    a layer; 3.542 -> 3.445 and 3.520 -> 3.432 ms an iteration in two leases,
+    docs/benchmarks/moe_b1_fusion_h200_2026-11-28b.json and -28c.json)."""
     route_impl = "pallas_gpu" if interpret else "auto"  # auto: the reference for shapes the kernel does not take
     return PairKernel(functools.partial(gather_matmul, impl="pallas_gpu", interpret=interpret),
                       takes=gmm_gpu.supported,
-                      swiglu=functools.partial(swiglu_experts, impl="pallas_gpu", interpret=interpret,
-                                               tiling=swiglu_tiling),
-                      swiglu_takes=gmm_swiglu.supported,
+                      swiglu=functools.partial(gmm_swiglu.swiglu_experts, interpret=interpret, tiling=swiglu_tiling),
+                      swiglu_takes=gmm_swiglu.supported, swiglu_weighted=True,
                       select_top_k=functools.partial(top_k_routing, impl=route_impl, interpret=interpret),
                       router_splits=ROUTER_SPLITS)
 

@@ -36,6 +36,7 @@ top-k, and the router is small (D x E), so it stays replicated while the experts
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -68,6 +69,9 @@ class PairKernel:
     # otherwise `matmul` runs three times.
     swiglu: Callable[..., jax.Array] | None = None
     swiglu_takes: Callable[..., bool] = lambda *operands: False
+    # Whether `swiglu` also takes weights=[T, k] routing weights, then scales each pair's rows by them and writes
+    # zeros for the pairs it skips: the combine is a plain sum of the parts, without masks or weights of its own.
+    swiglu_weighted: bool = False
     # The routing of such steps, or None (the reference): (logits [T, E] f32, or [P, T, E] partial sums when
     # router_splits P > 1, top_k, renorm) -> (weights [T, k], experts [T, k]); e.g.
     # pallas_kernels.moe_routing.top_k_routing, one kernel where XLA runs a sort and two more.
@@ -185,8 +189,12 @@ def moe_partial(
     if _pair_path(pair_kernel, x, w, t * top_k):
         if pair_kernel.swiglu is not None and pair_kernel.swiglu_takes(x, w.w_gate, w.w_up, w.w_down):
             # The kernel reads the routing as it is and skips other pairs itself: no per-layer mask kernel.
-            parts = pair_kernel.swiglu(x, w.w_gate, w.w_up, w.w_down, routing.experts, valid, expert_offset)
-            return _combine_parts(parts, mine, weights), group_sizes  # parts [S, k, T, D]
+            swiglu = functools.partial(pair_kernel.swiglu, x, w.w_gate, w.w_up, w.w_down, routing.experts, valid,
+                                       expert_offset)
+            if pair_kernel.swiglu_weighted:
+                parts = swiglu(weights=routing.weights)  # [S, k, T, D], weighted, zeros where not `mine`
+                return jnp.sum(parts.reshape(-1, t, d), axis=0), group_sizes  # [S*k, T, D] -> [T, D]
+            return _combine_parts(swiglu(), mine, weights), group_sizes  # parts [S, k, T, D]
         pair_experts = jnp.where(mine, local, -1).reshape(-1)  # [T*k]
         ys = swiglu_pairs(x, w, pair_experts, pair_kernel.matmul)  # [T*k, D], pair order
         return _combine(ys.reshape(t, top_k, d).swapaxes(0, 1), mine, weights), group_sizes  # [k, T, D] by slot

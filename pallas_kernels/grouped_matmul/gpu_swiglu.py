@@ -24,7 +24,9 @@ A CTA is one (token, slot) pair and one slice of `tile_f` intermediate channels 
    pattern) and stores all 64 fp32 rows to SMEM to send one on, which made it slower. Either way one
    [tile_d] row goes to `parts[slice, slot, token, d tile]` through a two-slot SMEM buffer and a TMA store.
 Pairs of padding tokens (valid false) or with an expert held elsewhere (expert parallelism) exit at once and
-leave their rows unwritten: the caller masks them (the MoE combine does, with `where`). The pairs are laid out
+leave their rows unwritten: the caller masks them (the MoE combine does, with `where`). Given the routing
+weights, the kernel scales each row by its pair's weight and those pairs write zero rows instead, so the
+combine is a plain sum (at batch 1 that takes the combine's mask fusion out of each layer). The pairs are laid out
 slot-major ([k, T]), so the combine's sum over slices and slots is over the two leading axes (no transpose).
 
 The caller sums the S = F / tile_f partials in the reduction that weights and adds the k slots of each token,
@@ -130,8 +132,8 @@ def _gate_up(acc_g, acc_u, x_gmem, g_gmem, u_gmem, *, row0, c, t: SwigluTiling):
     return acc_g[...], acc_u[...]  # waits for the last wgmmas
 
 
-def _down_cols(h, h_smem, d_gmem, o_gmem, o_smem, *, p, r, c, t: SwigluTiling, interpret):
-    """o_gmem[p, d tile] = row r of h [64, tile_f] @ Wd[slice c, d tile], for every d tile of D, as
+def _down_cols(h, h_smem, d_gmem, o_gmem, o_smem, *, p, r, c, scale, t: SwigluTiling, interpret):
+    """o_gmem[p, d tile] = scale * row r of h [64, tile_f] @ Wd[slice c, d tile], for every d tile of D, as
     y^T [tile_d, 8] = Wd^T @ (rows 0..7 of h)^T (the gather_matmul orientation: D channels are wgmma's M side)
     and column r of it picked in registers (a masked row sum), so one [tile_d] row goes through SMEM."""
     import jax.experimental.pallas as pl
@@ -152,6 +154,8 @@ def _down_cols(h, h_smem, d_gmem, o_gmem, o_smem, *, p, r, c, t: SwigluTiling, i
                 plgpu.ACC.init(jnp.zeros((t.tile_d, _ROW_ALIGN), jnp.float32)))  # [td, 8], waited for
         col = plgpu.broadcasted_iota(jnp.int32, yt.shape, 1, layout=plgpu.Layout.WGMMA)
         y = jnp.sum(jnp.where(col == r, yt, 0.0), axis=1)  # [td]: the pair's row
+        if scale is not None:
+            y = y * scale
         slot = o_smem.at[jax.lax.rem(j, 2)]  # [td] f32
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that read this slot two steps ago
         slot[...] = y
@@ -162,8 +166,8 @@ def _down_cols(h, h_smem, d_gmem, o_gmem, o_smem, *, p, r, c, t: SwigluTiling, i
     plgpu.wait_smem_to_gmem(0)
 
 
-def _down_rows(h, d_gmem, o_gmem, o_smem, *, p, r, c, t: SwigluTiling, interpret):
-    """o_gmem[p, d tile] = row r of h [64, tile_f] @ Wd[slice c, d tile], for every d tile of D."""
+def _down_rows(h, d_gmem, o_gmem, o_smem, *, p, r, c, scale, t: SwigluTiling, interpret):
+    """o_gmem[p, d tile] = scale * row r of h [64, tile_f] @ Wd[slice c, d tile], for every d tile of D."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -177,6 +181,8 @@ def _down_rows(h, d_gmem, o_gmem, o_smem, *, p, r, c, t: SwigluTiling, interpret
         else:
             y = pl.run_state(lambda acc: plgpu.wgmma(acc, h, w_smem))(
                 plgpu.ACC.init(jnp.zeros((_ROWS, t.tile_d), jnp.float32)))  # [64, td], waited for
+        if scale is not None:
+            y = y * scale
         slot = o_smem.at[jax.lax.rem(j, 2)]  # [64, td] f32, unswizzled: any row is a legal TMA source
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that read this slot two steps ago
         slot[...] = y
@@ -187,9 +193,30 @@ def _down_rows(h, d_gmem, o_gmem, o_smem, *, p, r, c, t: SwigluTiling, interpret
     plgpu.wait_smem_to_gmem(0)
 
 
-def _kernel(experts_ref, valid_ref, offset_ref, x_gmem, g_gmem, u_gmem, d_gmem, o_gmem, o_smem, *h_smem,
-            t: SwigluTiling, interpret):
+def _zero_row(o_gmem, o_smem, *, p, t: SwigluTiling):
+    """o_gmem[p, :] = 0, one [tile_d] TMA store per d tile from a zeroed output slot: a skipped pair's row, so the
+    caller's sum needs no mask."""
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    if t.down == "cols":
+        src = o_smem.at[0]  # [td] f32
+        src[...] = jnp.zeros((t.tile_d,), jnp.float32)
+        dst = lambda j: o_gmem.at[p, pl.ds(j * t.tile_d, t.tile_d)]  # noqa: E731
+    else:
+        src = o_smem.at[0, pl.ds(0, 1)]  # [1, td] f32
+        src[...] = jnp.zeros((1, t.tile_d), jnp.float32)
+        dst = lambda j: o_gmem.at[pl.ds(p, 1), pl.ds(j * t.tile_d, t.tile_d)]  # noqa: E731
+    plgpu.commit_smem()
+    for j in range(o_gmem.shape[1] // t.tile_d):  # D / tile_d stores (16 at Qwen3-30B-A3B), all from one slot
+        plgpu.copy_smem_to_gmem(src, dst(j))
+    plgpu.wait_smem_to_gmem(0)
+
+
+def _kernel(experts_ref, valid_ref, offset_ref, weights_ref, x_gmem, g_gmem, u_gmem, d_gmem, o_gmem, o_smem,
+            *h_smem, t: SwigluTiling, weighted, interpret):
     # experts_ref [T, k] i32 global expert ids; valid_ref [T] i32; offset_ref [1] i32 (the first local expert);
+    # weights_ref [T, k] f32 routing weights (read only when `weighted`);
     # x_gmem [Tp, D]; g_gmem, u_gmem [E, D, F]; d_gmem [E, F, D]; o_gmem [S, k, T, D] f32;
     # o_smem [2, tile_d] f32 ("cols", with h_smem [64, tile_f]) or [2, 64, tile_d] f32.
     import jax.experimental.pallas as pl
@@ -199,14 +226,19 @@ def _kernel(experts_ref, valid_ref, offset_ref, x_gmem, g_gmem, u_gmem, d_gmem, 
     expert = experts_ref[token, slot] - offset_ref[0]
     row0 = token // _ROW_ALIGN * _ROW_ALIGN
 
-    @pl.when((valid_ref[token] != 0) & (expert >= 0) & (expert < g_gmem.shape[0]))
+    live = (valid_ref[token] != 0) & (expert >= 0) & (expert < g_gmem.shape[0])
+    if weighted:  # the caller sums the parts as they are: skipped pairs write zeros
+        pl.when(~live)(functools.partial(_zero_row, o_gmem.at[c, slot], o_smem, p=token, t=t))
+
+    @pl.when(live)
     def _():
         gate_up = functools.partial(_gate_up, x_gmem=x_gmem, g_gmem=g_gmem.at[expert], u_gmem=u_gmem.at[expert],
                                     row0=row0, c=c, t=t)
         acc = plgpu.ACC((_ROWS, t.tile_f), jnp.float32)
         g, u = pl.run_scoped(gate_up, acc, acc)  # [64, tf] each
         h = _silu_times(g, u).astype(x_gmem.dtype)  # [64, tf]: A operand of the down wgmma, in registers
-        down = dict(p=token, r=token - row0, c=c, t=t, interpret=interpret)
+        scale = weights_ref[token, slot] if weighted else None
+        down = dict(p=token, r=token - row0, c=c, scale=scale, t=t, interpret=interpret)
         if t.down == "cols":
             _down_cols(h, h_smem[0], d_gmem.at[expert], o_gmem.at[c, slot], o_smem, **down)
         else:
@@ -215,11 +247,14 @@ def _kernel(experts_ref, valid_ref, offset_ref, x_gmem, g_gmem, u_gmem, d_gmem, 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
 def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, experts: jax.Array,
-                   valid: jax.Array | None = None, expert_offset: jax.Array | int = 0, *,
-                   tiling: SwigluTiling | None = None, interpret: bool = False) -> jax.Array:
+                   valid: jax.Array | None = None, expert_offset: jax.Array | int = 0,
+                   weights: jax.Array | None = None, *, tiling: SwigluTiling | None = None,
+                   interpret: bool = False) -> jax.Array:
     """[F / tile_f, k, T, D] float32 partial sums of each token's k SwiGLU experts (module docstring): x [T, D],
     experts [T, k] global ids of which the weights hold expert_offset .. + E - 1, valid [T] bool (None: all).
-    Slots of invalid tokens or of experts held elsewhere are left unwritten (mask them)."""
+    Without `weights`, slots of invalid tokens or of experts held elsewhere are left unwritten (mask them); with
+    routing weights [T, k], each pair's rows are scaled by its weight and those slots hold zeros, so the MoE output
+    is the plain sum over the two leading axes."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     if not supported(x, w_gate, w_up, w_down):
@@ -232,16 +267,18 @@ def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
     x = jnp.pad(x, ((0, -(-tokens // _ROW_ALIGN) * _ROW_ALIGN - tokens), (0, 0)))  # [Tp, D]: TMA tiles rows by 8
     valid = jnp.ones((tokens,), jnp.int32) if valid is None else valid.astype(jnp.int32)
     offset = jnp.reshape(jnp.asarray(expert_offset, jnp.int32), (1,))
+    weighted = weights is not None
+    weights = jnp.zeros((tokens, top_k), jnp.float32) if weights is None else weights.astype(jnp.float32)
     if t.down == "cols":
         scratch = [plgpu.SMEM((2, t.tile_d), jnp.float32),
                    plgpu.SMEM((_ROWS, t.tile_f), x.dtype, transforms=_transforms(x.dtype, t.tile_f))]
     else:
         scratch = [plgpu.SMEM((2, _ROWS, t.tile_d), jnp.float32)]
     return plgpu.kernel(
-        functools.partial(_kernel, t=t, interpret=bool(interpret)),
+        functools.partial(_kernel, t=t, weighted=weighted, interpret=bool(interpret)),
         out_type=jax.ShapeDtypeStruct((f // t.tile_f, top_k, tokens, d), jnp.float32),
         scratch_types=scratch,
         grid=(top_k, tokens, f // t.tile_f), grid_names=("s", "t", "c"), kernel_name="gather_matmul_swiglu",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(interpret),
-    )(experts.astype(jnp.int32), valid, offset, x, w_gate, w_up, w_down)
+    )(experts.astype(jnp.int32), valid, offset, weights, x, w_gate, w_up, w_down)

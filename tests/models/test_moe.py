@@ -247,10 +247,12 @@ def _check_gpu_pair_kernel(interpret: bool, d: int, f: int, e: int, t: int, top_
     ref = np.asarray(ref, np.float32)
     fused = gpu_pair_kernel(interpret=interpret)  # as the runner builds it on a GPU
     assert fused.select_top_k is not None and fused.router_splits > 1
+    assert fused.swiglu_weighted  # the kernel weights the pairs and zeros the skipped ones; the combine only sums
     three = dataclasses.replace(fused, swiglu=None)
+    masked = dataclasses.replace(fused, swiglu_weighted=False)  # unweighted parts, masked and weighted by the combine
     whole = dataclasses.replace(fused, router_splits=1,
                                 select_top_k=lambda *a: top_k_routing(*a, impl="pallas_gpu", interpret=interpret))
-    for kernel in (three, fused, whole):
+    for kernel in (three, fused, masked, whole):
         ours, _ = moe_block(x, w, top_k=top_k, norm_topk_prob=True, valid=valid, pair_kernel=kernel)
         ours = np.asarray(ours, np.float32)
         assert np.isfinite(ours).all() and not ours[real:].any()
