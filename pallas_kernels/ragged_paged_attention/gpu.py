@@ -19,7 +19,9 @@ Work decomposition (docs/KERNELS.md has the reasoning and the measured numbers):
 * grid = (tiles, kv splits, kv heads). Each CTA owns its output tile exclusively (tile-major
   output `[splits, K, W, 64, H]`), so nothing is written twice; the wrapper gathers the rows back
   to `[T, N, H]` and, with splits > 1, merges the splits by their log-sum-exp (flash-decoding).
-  Splits are used only when the tiles alone cannot fill the GPU (few sequences, long contexts).
+  Splits are used only when the tiles alone cannot fill the GPU (few sequences, long contexts). A decode
+  step (one-token tiles) takes a power-of-two split count and merges in one Pallas Triton kernel
+  (decode_merge.py), where XLA ran two kernels a layer.
 * KV is streamed in blocks of `Bk = max(64, R)` positions, one TMA copy per page
   (`k_pages[page, :, kv_head, :]`, a strided `[R, H]` box), 2 stages deep in shared memory
   (`_STAGES`: two CTAs per SM), so the copies of the next blocks are in flight while the tensor cores work
@@ -61,6 +63,7 @@ import math
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention import decode_merge
 from pallas_kernels.ragged_paged_attention.reference import QuantizedPages
 
 _ROWS = 64  # wgmma M: query rows per tile
@@ -550,12 +553,15 @@ def default_block_kv(page_size: int) -> int:
     return max(64, page_size)
 
 
-def default_num_splits(num_tiles: int, kv_heads: int, max_kv_blocks: int) -> int:
-    """Enough kv splits that the grid covers every SM twice, never more than there are blocks."""
+def default_num_splits(num_tiles: int, kv_heads: int, max_kv_blocks: int, pow2: bool = False) -> int:
+    """Enough kv splits that the grid covers every SM twice, never more than there are blocks; with `pow2` (a
+    decode step, whose merge is the decode_merge kernel's) rounded down to a power of two, which that kernel
+    takes (Qwen3-30B-A3B's batch-1 bucket: 33 -> 32)."""
     ctas = num_tiles * kv_heads
     if ctas >= 2 * _NUM_SMS:
         return 1
-    return max(1, min(-(-2 * _NUM_SMS // ctas), max_kv_blocks))
+    splits = max(1, min(-(-2 * _NUM_SMS // ctas), max_kv_blocks))
+    return 1 << (splits.bit_length() - 1) if pow2 else splits
 
 
 # Up to this many splits the merge is written out split by split (_combine_splits). Four KV heads at batch 1 ask
@@ -751,12 +757,18 @@ def ragged_paged_attention(
     args = (q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs)
     knobs = dict(sm_scale=sm_scale * (k_scale or 1.0), sliding_window=sliding_window, soft_cap=soft_cap,
                  interpret=interpret)
+    group = num_heads // kv_heads
     if warp_specialized:
         o_tiles, tile_base = _prefill_attention(*args, **knobs)
     else:
-        o_tiles, tile_base = _one_warpgroup_attention(*args, **knobs, num_splits=num_splits, stages=stages,
-                                                        block_kv=block_kv, one_token_per_seq=one_token_per_seq)
-    group = num_heads // kv_heads
+        o_parts, lse_parts, tile_base = _one_warpgroup_attention(
+            *args, **knobs, num_splits=num_splits, stages=stages, block_kv=block_kv,
+            one_token_per_seq=one_token_per_seq)  # [splits, K, W, rows, H], [splits, K, W, 64]
+        if tile_base is None and decode_merge.takes(o_parts.shape[0], head_dim):  # one launch, not two
+            out = decode_merge.merge_decode_splits(o_parts, lse_parts, cu_q_lens[num_seqs[0]], group=group,
+                                                   scale=v_scale or 1.0, interpret=interpret)  # [T, K, G, H]
+            return out.reshape(num_tokens, num_heads, head_dim)
+        o_tiles = _combine_splits(o_parts, lse_parts)  # [K, W, rows, H]
     if tile_base is None:  # one-token tiles
         out = _decode_rows(o_tiles, cu_q_lens, num_seqs, num_tokens, group)
     else:
@@ -769,8 +781,8 @@ def ragged_paged_attention(
 def _one_warpgroup_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                              sliding_window, soft_cap, interpret, num_splits, stages, block_kv,
                              one_token_per_seq):
-    """`_attention_kernel` over the call's tiles, splits merged: [K, W, rows, H] output tiles and the sequences'
-    first tiles (None for one-token tiles, where tile w is token w)."""
+    """`_attention_kernel` over the call's tiles: [splits, K, W, rows, H] output tiles, their [splits, K, W, 64]
+    log-sum-exps (base 2) and the sequences' first tiles (None for one-token tiles, where tile w is token w)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     num_tokens, num_heads, head_dim = q.shape
@@ -786,7 +798,7 @@ def _one_warpgroup_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_le
     # One-token tiles: exactly one per token. Otherwise each sequence's last tile may be partial.
     max_tiles = num_tokens if one_token_per_seq else num_tokens // layout.tokens + num_slots
     max_kv_blocks = -(-max_pages * page_size // block_kv)
-    num_splits = num_splits or default_num_splits(max_tiles, kv_heads, max_kv_blocks)
+    num_splits = num_splits or default_num_splits(max_tiles, kv_heads, max_kv_blocks, pow2=one_token_per_seq)
     tile_seq, tile_tok0, tile_base = tile_table(cu_q_lens, num_seqs, layout.tokens, max_tiles)
     if one_token_per_seq:
         q_tiles, tile_base = decode_queries(q, kv_heads, layout.stored_rows), None  # [T, K, rows, H]
@@ -830,7 +842,7 @@ def _one_warpgroup_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_le
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(kv_lens.astype(jnp.int32), page_indices.reshape(-1).astype(jnp.int32),
       cu_q_lens.astype(jnp.int32), tile_seq, tile_tok0, q_tiles, *kv_args)
-    return _combine_splits(o_parts, lse_parts), tile_base  # [K, W, rows, H]
+    return o_parts, lse_parts, tile_base
 
 
 def supported_config(q: jax.Array, k_pages: jax.Array) -> bool:
