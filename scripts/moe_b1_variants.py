@@ -77,9 +77,39 @@ def _pair_kernel(runner: Any, **changes: Any) -> None:
                                       pair_kernel=pk)
 
 
-def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = True, splits: bool = True) -> None:
-    """The tree's code with the named pieces (False) put back as they were before this script's session, or with
-    a combine it tried ("slices", "s_then_k")."""
+_SAVED_ATTENTION: list[Any] = []  # the tree's gpu.ragged_paged_attention while a variant runs
+
+
+def _fresh_attention(**bound: Any) -> None:
+    """A new jit of the GPU attention wrapper (with `bound` keywords, e.g. num_splits), so its trace cache does not
+    hand back the tree's trace and the patched globals (decode_merge.takes) are read again."""
+    from pallas_kernels.ragged_paged_attention import gpu
+
+    static = ("sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale", "num_splits", "stages", "block_kv",
+              "one_token_per_seq", "warp_specialized", "interpret")
+    gpu.ragged_paged_attention = jax.jit(functools.partial(_SAVED_ATTENTION[0].__wrapped__, **bound),
+                                         static_argnames=static)
+
+
+def _kernel_write_kv(k_pages: Any, v_pages: Any, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> Any:
+    """The cache write tried here: K and V in one launch of pallas_kernels.ragged_paged_attention.kv_write (Pallas
+    Triton) where it takes the pages, two scatters otherwise. It replaced the scatters' 2.0 + 1.6 us a layer with
+    1.5, but its operands must be buffers of their own: k's RoPE and the slice of v out of the q/k/v product,
+    which XLA had fused into the scatters, became two kernels (1.2 + 1.2 us), so the iteration did not move
+    (docs/benchmarks/moe_b1_fusion_h200_2026-11-28c.json)."""
+    from jaxinfer.models.common import write_kv
+    from pallas_kernels.ragged_paged_attention import kv_write
+
+    if kv_write.takes(k_pages, k) and kv_write.takes(v_pages, v):
+        return kv_write.write_kv_pages(k_pages, v_pages, k, v, slot_mapping)
+    return write_kv(k_pages, v_pages, k, v, slot_mapping)
+
+
+def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = True, splits: bool = True,
+           weighted: bool = True, attention_splits: int | None = None, merge: bool = True,
+           kv_kernel: bool = False) -> None:
+    """The tree's code with the named pieces (False) put back as they were before this script's sessions, or with
+    a combine it tried ("slices", "s_then_k"), or the attention's split count forced."""
     from jaxinfer.models import moe, qwen3
 
     if combine != "tree":
@@ -90,16 +120,38 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
         _pair_kernel(runner, select_top_k=None)
     elif not splits:
         _pair_kernel(runner, router_splits=1)
+    if not weighted:  # the expert kernel's parts unweighted, masked and weighted by the combine (before 11-28b)
+        _pair_kernel(runner, swiglu_weighted=False)
+    if kv_kernel:  # K and V written by the kv_write kernel, not two scatters
+        import jaxinfer.attention
+
+        jaxinfer.attention.write_kv = _kernel_write_kv
+    if not merge:  # the split merge as XLA ran it before the decode_merge kernel (two kernels a layer)
+        from pallas_kernels.ragged_paged_attention import decode_merge
+
+        decode_merge.takes = lambda *a: False
+    if attention_splits or not merge:  # attention_splits: the flash-decoding split count forced (32 by default here)
+        _fresh_attention(**({"num_splits": attention_splits} if attention_splits else {}))
 
 
 VARIANTS: dict[str, Callable[[Any], None]] = {
-    "base": functools.partial(_patch, qk=False, routing=False),  # the tree before this script's session
-    "new": _patch,
-    "new_slices_combine": functools.partial(_patch, combine="slices"),
-    "new_s_then_k_combine": functools.partial(_patch, combine="s_then_k"),
-    "new_old_qk": functools.partial(_patch, qk=False),
-    "new_old_routing": functools.partial(_patch, routing=False),
-    "new_unsplit_router": functools.partial(_patch, splits=False),
+    # The tree before the 11-28b session (the 27th session's "new").
+    "base": functools.partial(_patch, weighted=False, merge=False),
+    # The expert kernel weights its rows and zeros the skipped ones, so the combine only sums.
+    "weighted": functools.partial(_patch, merge=False),
+    "weighted_splits16": functools.partial(_patch, merge=False, attention_splits=16),
+    "weighted_splits8": functools.partial(_patch, merge=False, attention_splits=8),  # XLA fused its merge
+    # The tree: "weighted", and the decode attention's split merge one Pallas Triton kernel (decode_merge).
+    "merge": _patch,
+    "merge_unweighted": functools.partial(_patch, weighted=False),
+    "merge_kv": functools.partial(_patch, kv_kernel=True),
+    "base_27": functools.partial(_patch, qk=False, routing=False, weighted=False, merge=False),  # before the 27th
+    "new": functools.partial(_patch, weighted=False, merge=False),
+    "new_slices_combine": functools.partial(_patch, combine="slices", weighted=False, merge=False),
+    "new_s_then_k_combine": functools.partial(_patch, combine="s_then_k", weighted=False, merge=False),
+    "new_old_qk": functools.partial(_patch, qk=False, weighted=False, merge=False),
+    "new_old_routing": functools.partial(_patch, routing=False, weighted=False, merge=False),
+    "new_unsplit_router": functools.partial(_patch, splits=False, weighted=False, merge=False),
 }
 
 
@@ -135,7 +187,13 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
     saved_moe_fn = runner.moe_fn
     from jaxinfer.models import moe, qwen3
 
-    saved = (moe._combine_parts, qwen3.normed_qkv)
+    from pallas_kernels.ragged_paged_attention import decode_merge
+    from pallas_kernels.ragged_paged_attention import gpu as attention_gpu
+
+    import jaxinfer.attention
+
+    saved = (moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv)
+    _SAVED_ATTENTION[:] = [attention_gpu.ragged_paged_attention]
     VARIANTS[name](runner)
     args, branch_free, ids = decode_args(llm, ctx, engine.decode_steps_per_call)
     steps = engine.decode_steps_per_call
@@ -177,7 +235,8 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
     for i in ids:
         engine.abort(i)
     runner.moe_fn = saved_moe_fn  # every variant starts from the tree's code
-    moe._combine_parts, qwen3.normed_qkv = saved
+    moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv = saved
+    attention_gpu.ragged_paged_attention = _SAVED_ATTENTION[0]
     return {"variant": name, "ms_per_iteration": ms_iter, "compile_s": compile_s, "source": source,
             "launches_per_iteration": launches, "kernel_ms_per_iteration": kernel_ms, "first_tokens": tokens[0],
             "kernels": [{"name": n[:100], "per_iteration": c / iters, "us_per_iteration": ms * 1e3 / iters}
