@@ -101,10 +101,11 @@ def test_pallas_tpu_kernel_in_interpret_mode_gives_hf_greedy_tokens(smollm2_gold
 
 
 def test_cpu_defaults_give_hf_greedy_tokens(smollm2_golden: dict) -> None:
-    """What a new user runs on a CPU: attention_impl="auto" (the xla attention) over float weights dequantized
-    at load (quantization=None on a CPU). Only the batch is set smaller, to compile fewer buckets."""
-    llm_cpu = LLM("smollm2-135m-instruct", max_model_len=256, max_num_seqs=4, max_num_batched_tokens=64,
-                  use_tqdm=False)
+    """What a new user runs on a CPU: every engine setting at its default (attention_impl="auto", the xla
+    attention, over float weights dequantized at load: quantization=None on a CPU). The same settings as
+    test_vllm_examples' `LLM(model=...)`, so whichever module runs second finds these programs in the persistent
+    compilation cache (a smaller batch here compiled 10 programs that nothing else shared)."""
+    llm_cpu = LLM("smollm2-135m-instruct", use_tqdm=False)
     assert llm_cpu.engine.runner.attention_impl == "xla" and not llm_cpu.quant_plan
     cases = smollm2_golden["greedy"]
     outs = llm_cpu.generate([c["prompt_ids"] for c in cases], [greedy_params(c["max_new_tokens"]) for c in cases])
