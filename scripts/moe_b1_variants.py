@@ -85,10 +85,8 @@ def _fresh_attention(**bound: Any) -> None:
     hand back the tree's trace and the patched globals (decode_merge.takes) are read again."""
     from pallas_kernels.ragged_paged_attention import gpu
 
-    static = ("sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale", "num_splits", "stages", "block_kv",
-              "one_token_per_seq", "warp_specialized", "interpret")
     gpu.ragged_paged_attention = jax.jit(functools.partial(_SAVED_ATTENTION[0].__wrapped__, **bound),
-                                         static_argnames=static)
+                                         static_argnames=gpu.STATIC_ARGNAMES)
 
 
 def _kernel_write_kv(k_pages: Any, v_pages: Any, k: jax.Array, v: jax.Array, slot_mapping: jax.Array) -> Any:

@@ -709,9 +709,11 @@ def _prefill_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, nu
     return o_tiles, _COMPUTE_WGS * pair_base
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale", "num_splits", "stages", "block_kv",
-    "one_token_per_seq", "warp_specialized", "interpret"))
+STATIC_ARGNAMES = ("sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale", "num_splits", "stages", "block_kv",
+                   "one_token_per_seq", "warp_specialized", "interpret")
+
+
+@functools.partial(jax.jit, static_argnames=STATIC_ARGNAMES)
 def ragged_paged_attention(
     q: jax.Array,  # [T, N, H]
     k_pages: jax.Array,  # [P, R, K, H]
