@@ -60,6 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=2, help="the TP and DP degree compared with one device")
     p.add_argument("--grid", default="1000x1000:64", help="the offline workload of every run")
     p.add_argument("--bench-args", default="", help="extra `jaxinfer bench` arguments for every run")
+    p.add_argument("--layouts", nargs="+", choices=["tp1", "tp", "dp", "ep"], default=None,
+                   help="run only these layouts (default: every one of the mode; tp1 is the baseline of every ratio, "
+                        "and the ratios of layouts left out are null)")
     p.add_argument("--out", default="bench_results/tp2.json")
     return p.parse_args(argv)
 
@@ -156,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     layouts = {"tp1": [], "tp": ["--tensor-parallel-size", n], "dp": ["--data-parallel-size", n]}
     if moe:
         layouts["ep"] = ["--expert-parallel-size", n]
+    if args.layouts is not None:
+        unknown = set(args.layouts) - set(layouts)
+        if unknown:
+            raise SystemExit(f"--layouts {' '.join(sorted(unknown))}: not a layout of --mode {args.mode} "
+                             f"({', '.join(layouts)})")
+        layouts = {name: extra for name, extra in layouts.items() if name in args.layouts}
     runs: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
