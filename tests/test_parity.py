@@ -63,8 +63,9 @@ def test_logits_of_first_decode_steps_within_1e4(llm: LLM, smollm2_golden: dict)
 
 
 def test_tensor_parallel_3_equals_hf(smollm2_golden: dict) -> None:
-    """9 q heads and 3 kv heads over 3 forced CPU devices: each device owns 3 q heads and 1 kv head."""
-    llm3 = LLM("smollm2-135m-instruct", tensor_parallel_size=3, **ENGINE_KW)
+    """9 q heads and 3 kv heads over 3 forced CPU devices: each device owns 3 q heads and 1 kv head. Without
+    warmup: the engine compiles only the buckets these prompts use (warmup's full set is the fixture's test)."""
+    llm3 = LLM("smollm2-135m-instruct", tensor_parallel_size=3, **{**ENGINE_KW, "warmup": False})
     # Kept quantized from the GGUF, q/k/v joined: each device holds its 3 q heads' and 1 kv head's rows of 64.
     qkv = llm3.weights.layers[0].wq
     assert (qkv.shards, qkv.widths) == (3, (192, 64, 64))
@@ -91,9 +92,11 @@ def test_gguf_int4_in_plain_order_gives_hf_greedy_tokens(smollm2_golden: dict, m
 def test_pallas_tpu_kernel_in_interpret_mode_gives_hf_greedy_tokens(smollm2_golden: dict) -> None:
     """The TPU ragged paged attention kernel, run by Pallas' interpreter on CPU, inside the real model. Single
     decode steps: the two multi-step loop programs took 29 of the 49 s this engine spent compiling on 2 cores;
-    the kernel inside the loop is checked on a tiny model (tests/engine/test_tpu_kernel_decode_loop.py)."""
+    the kernel inside the loop is checked on a tiny model (tests/engine/test_tpu_kernel_decode_loop.py). One
+    16-token bucket: each interpreted forward took ~70 s of compile in the suite, and the two 18-token prompts
+    then prefill in chunks that share steps with decoding rows, which the kernel must take as well."""
     llm_tpu = LLM("smollm2-135m-instruct", **{**ENGINE_KW, "attention_impl": "pallas_tpu", "interpret": True,
-                                              "max_num_batched_tokens": 32, "max_num_seqs": 4,
+                                              "max_num_batched_tokens": 16, "max_num_seqs": 4,
                                               "decode_steps_per_call": 1})
     cases = smollm2_golden["greedy"][1:3]
     outs = llm_tpu.generate([c["prompt_ids"] for c in cases], [greedy_params(12) for _ in cases])

@@ -24,8 +24,10 @@ from tests.serve.conftest import running
 SEEDS = (0, 1, 2)
 MAX_TOKENS = 160
 LARK_RE = re.compile(r"[0-9]( \+ [0-9]){0,3}")
+# attention_impl left at "auto" (the xla attention on a CPU): these tests decode ~1,000 tokens in batches of up to 16
+# rows, and the reference attends one sequence at a time.
 ENGINE_KW = dict(dtype="float32", max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, num_pages=160,
-                 block_size=16, attention_impl="reference", decode_steps_per_call=4, use_tqdm=False)
+                 block_size=16, decode_steps_per_call=4, use_tqdm=False)
 
 
 def test_bitmask_restricts_greedy_and_random_rows_without_recompiling() -> None:
@@ -100,8 +102,8 @@ def test_python_api_every_sample_validates() -> None:
 @pytest.mark.slow
 def test_server_every_sample_validates(tmp_path) -> None:
     flags = ["--model", "smollm2-135m-instruct", "--dtype", "float32", "--max-model-len", "256", "--max-num-seqs",
-             "16", "--max-num-batched-tokens", "64", "--num-pages", "160", "--block-size", "16", "--attention-impl",
-             "reference", "--decode-steps-per-call", "4", "--served-model-name", "m"]
+             "16", "--max-num-batched-tokens", "64", "--num-pages", "160", "--block-size", "16",
+             "--decode-steps-per-call", "4", "--served-model-name", "m"]
     with running(flags, tmp_path / "server.log") as server:
         client = openai.OpenAI(base_url=server.url("/v1"), api_key="none", timeout=300, max_retries=0)
         import concurrent.futures
