@@ -24,8 +24,8 @@ from tests.serve.conftest import running
 SEEDS = (0, 1, 2)
 MAX_TOKENS = 160
 LARK_RE = re.compile(r"[0-9]( \+ [0-9]){0,3}")
-# attention_impl left at "auto" (the xla attention on a CPU): these tests decode ~1,000 tokens in batches of up to 16
-# rows, and the reference attends one sequence at a time.
+# attention_impl left at "auto" (the xla attention on a CPU): these tests decode up to MAX_TOKENS for every case and
+# seed in batches of up to 16 rows, and the reference attends one sequence at a time.
 ENGINE_KW = dict(dtype="float32", max_model_len=256, max_num_seqs=16, max_num_batched_tokens=64, num_pages=160,
                  block_size=16, decode_steps_per_call=4, use_tqdm=False)
 
