@@ -29,7 +29,7 @@ from jaxinfer.checkpoint.assemble import CheckpointError, Part, TensorRule, Tran
 from jaxinfer.config import ModelConfig
 from jaxinfer.kv_cache import KVCache
 from jaxinfer.models import llama
-from jaxinfer.linear import DEFAULT_LINEAR, Linear
+from jaxinfer.linear import DEFAULT_LINEAR, Linear, is_quantized
 from jaxinfer.models.common import (
     GEMMA_FIELDS,
     embed_lookup,
@@ -147,6 +147,31 @@ def moe_param_specs(cfg: ModelConfig, dtype: jnp.dtype) -> Qwen3Weights:
 
 # Steps of at most this many tokens (decode buckets) norm q and k in one pass (normed_qkv).
 QK_NORM_JOIN_MAX_TOKENS = 64
+# On a GPU, steps of at most QKV_SPLIT_K_MAX_TOKENS tokens over float q/k/v weights at most QKV_SPLIT_K_MAX_IN wide
+# compute the joined product as QKV_SPLIT_K partial products over slices of K, summed in float32 (0: never).
+# Why: for Qwen3-30B-A3B's [2, 2048] x [2048, 5120] XLA's Triton GEMM tiles the output 8 x 64, 80 CTAs for the
+# H200's 132 SMs, and streams the 21 MB at 62% of the copy rate (10.2 us alone); split 4 ways by hand, sum
+# included, 8.0 us (79%), and the batch-1 decode loop's iteration 3.395/3.401 -> 3.267 ms in one process
+# (2 ways: 3.280). Llama-3-8B's 4096-wide q/k/v already runs at ~96% unsplit, hence the width bound
+# (scripts/bench_skinny_gemm.py, docs/benchmarks/skinny_gemm_h200_2026-11-28.json, docs/PERFORMANCE.md).
+QKV_SPLIT_K = 4
+QKV_SPLIT_K_MAX_TOKENS = 8
+QKV_SPLIT_K_MAX_IN = 2048
+
+
+def split_k_product(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
+    """x [T, K] @ w [K, N] as `splits` float32 partial products over slices of K, summed: [T, N] in x.dtype."""
+    t, k = x.shape
+    xs = x.reshape(t, splits, k // splits)  # [T, S, K/S]
+    ws = w.reshape(splits, k // splits, w.shape[1])  # [S, K/S, N]
+    parts = jnp.einsum("tsk,skn->stn", xs, ws, preferred_element_type=jnp.float32)  # [S, T, N]
+    return parts.sum(axis=0).astype(x.dtype)  # [T, N]
+
+
+def _takes_split_k(x: jax.Array, wq: FusedColumns) -> bool:
+    k = x.shape[1]
+    return (QKV_SPLIT_K > 1 and jax.default_backend() == "gpu" and not is_quantized(wq.w)
+            and x.shape[0] <= QKV_SPLIT_K_MAX_TOKENS and k <= QKV_SPLIT_K_MAX_IN and k % QKV_SPLIT_K == 0)
 
 
 def normed_qkv(layer: Qwen3Layer, x: jax.Array, eps: float,
@@ -167,7 +192,10 @@ def normed_qkv(layer: Qwen3Layer, x: jax.Array, eps: float,
         q, k, v = head_projections(x, wq, layer.wk, layer.wv, head_dim, linear)  # [T, N|K, H]
         return rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps), v
     t, (n, kv) = x.shape[0], (wq.widths[0] // head_dim, wq.widths[1] // head_dim)
-    y = joined_projection(x, wq, L.Q_HEADS, linear, split=False)  # [T, (N + 2K) * H]
+    if _takes_split_k(x, wq):
+        y = split_k_product(x, wq.w, QKV_SPLIT_K)  # [T, (N + 2K) * H]
+    else:
+        y = joined_projection(x, wq, L.Q_HEADS, linear, split=False)  # [T, (N + 2K) * H]
     # Sliced before the split into heads: a slice of the heads axis of the [T, N + 2K, H] view was copied out in a
     # kernel of its own, a slice of the flat product is read in place by the norm.
     qk = y[:, :(n + kv) * head_dim].reshape(t, n + kv, head_dim)  # [T, N + K, H]

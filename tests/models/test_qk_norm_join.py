@@ -3,6 +3,8 @@ the q and k heads of the joined product together; the logits and the norm's outp
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,3 +46,40 @@ def test_joined_qk_norm_equals_two_norms() -> None:
         np.testing.assert_allclose(np.asarray(q, np.float32), np.asarray(want_q, np.float32), rtol=1e-6, atol=1e-6)
         np.testing.assert_allclose(np.asarray(k, np.float32), np.asarray(want_k, np.float32), rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(np.asarray(v), np.asarray(y[:, 12:]))
+
+
+def test_split_k_product_equals_the_plain_product() -> None:
+    """qwen3.split_k_product (the GPU's decode-sized q/k/v product) against the one product, fresh random inputs."""
+    r = np.random.default_rng(7)
+    for t, k, n, splits in ((1, 64, 48, 4), (2, 128, 40, 2), (8, 256, 72, 4)):
+        x = jnp.asarray(r.standard_normal((t, k)), jnp.float32)
+        w = jnp.asarray(r.standard_normal((k, n)), jnp.float32)
+        got = jax.jit(qwen3.split_k_product, static_argnums=2)(x, w, splits)
+        want = np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+        assert got.shape == (t, n) and got.dtype == jnp.float32
+        np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-4)
+
+
+def test_gpu_decode_steps_split_the_joined_product(monkeypatch) -> None:
+    """The split is taken on a GPU backend only, for steps of at most QKV_SPLIT_K_MAX_TOKENS tokens over float
+    weights at most QKV_SPLIT_K_MAX_IN wide; with it, normed_qkv's q, k and v are those of the one product."""
+    cfg = tiny_qwen3_dense(**CFG)
+    runner = build_runner(cfg, tp=1, seed=5, family=QWEN3, weights_hook=fuse_projections)
+    layer = runner.weights.layers[0]
+    r = np.random.default_rng(8)
+    x = jnp.asarray(r.standard_normal((2, cfg.hidden_size)), runner.weights.embed.dtype)
+    want = jax.jit(qwen3.normed_qkv, static_argnums=2)(layer, x, cfg.rms_norm_eps)  # CPU: one product
+    assert not qwen3._takes_split_k(x, layer.wq)
+    monkeypatch.setattr(qwen3.jax, "default_backend", lambda: "gpu")
+    assert qwen3._takes_split_k(x, layer.wq)
+    wide = jnp.zeros((2, qwen3.QKV_SPLIT_K_MAX_IN * 2), x.dtype)
+    long = jnp.zeros((qwen3.QKV_SPLIT_K_MAX_TOKENS + 1, cfg.hidden_size), x.dtype)
+    assert not qwen3._takes_split_k(wide, layer.wq) and not qwen3._takes_split_k(long, layer.wq)
+    calls = []
+    split = qwen3.split_k_product
+    monkeypatch.setattr(qwen3, "split_k_product", lambda *a: calls.append(a[2]) or split(*a))
+    # A new function object: jax.jit keys its trace cache by function, and would hand back the CPU trace above.
+    got = jax.jit(functools.partial(qwen3.normed_qkv), static_argnums=2)(layer, x, cfg.rms_norm_eps)
+    assert calls == [qwen3.QKV_SPLIT_K]
+    for g, w in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-5, atol=1e-5)
