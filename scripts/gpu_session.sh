@@ -97,7 +97,7 @@
 #   moe_b1_kernels  scripts/profile_decode_buckets.py for Qwen3-30B-A3B's batch-1 bucket: its 80 costliest kernels
 #                and the compiled decode HLO: $OUT/moe_b1_kernels.json, $OUT/decode_rows2*.hlo.txt
 #   moe_b1_variants  scripts/moe_b1_variants.py: Qwen3-30B-A3B's batch-1 decode loop under code variants (MBV_VARIANTS,
-#                default "base merge": the tree before the 11-28b session, and the tree), one process, no
+#                default "merge qkv_split": the 28th session's tree, and the tree), one process, no
 #                warmup: ms per iteration, launches per iteration by kernel, compiled HLO ($OUT/moe_b1_variants.json)
 #   moe_b1_steps Qwen3-30B-A3B batch-1 decode (end to end and device only) at 8, 16 and 32 decode steps per call,
 #                one process each: $OUT/moe_b1_steps{8,16,32}.json (is batch 1 bound by a per-call cost?);
@@ -350,7 +350,7 @@ print(f(llm.describe()))' ;;
       run moe_b1_kernels 400 python3 scripts/profile_decode_buckets.py --model qwen3-30b-a3b --rows 1 --max-num-seqs 2 \
         --memory-fraction 0.85 --top 80 --out "$OUT/moe_b1_kernels.json" --hlo-dir "$OUT" ;;
     moe_b1_variants)
-      run moe_b1_variants 500 python3 scripts/moe_b1_variants.py --variants ${MBV_VARIANTS:-base merge} --budget-s 400 \
+      run moe_b1_variants 500 python3 scripts/moe_b1_variants.py --variants ${MBV_VARIANTS:-merge qkv_split} --budget-s 400 \
         --out "$OUT/moe_b1_variants.json" --hlo-dir "$OUT" ;;
     moe_b1_steps)
       for n in ${MOE_B1_STEPS:-8 16 32}; do

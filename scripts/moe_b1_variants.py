@@ -105,11 +105,14 @@ def _kernel_write_kv(k_pages: Any, v_pages: Any, k: jax.Array, v: jax.Array, slo
 
 def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = True, splits: bool = True,
            weighted: bool = True, attention_splits: int | None = None, merge: bool = True,
-           kv_kernel: bool = False) -> None:
+           kv_kernel: bool = False, qkv_split_k: int = 0) -> None:
     """The tree's code with the named pieces (False) put back as they were before this script's sessions, or with
     a combine it tried ("slices", "s_then_k"), or the attention's split count forced."""
     from jaxinfer.models import moe, qwen3
 
+    # The joined q/k/v product of decode-sized steps with K split this many ways (qwen3.QKV_SPLIT_K, 4 in the tree
+    # since the 29th session; 0, the default here, is the one product of the variants before it).
+    qwen3.QKV_SPLIT_K = qkv_split_k
     if combine != "tree":
         moe._combine_parts = {"slices": _slices_combine_parts, "s_then_k": _s_then_k_combine_parts}[combine]
     if not qk:
@@ -139,10 +142,13 @@ VARIANTS: dict[str, Callable[[Any], None]] = {
     "weighted": functools.partial(_patch, merge=False),
     "weighted_splits16": functools.partial(_patch, merge=False, attention_splits=16),
     "weighted_splits8": functools.partial(_patch, merge=False, attention_splits=8),  # XLA fused its merge
-    # The tree: "weighted", and the decode attention's split merge one Pallas Triton kernel (decode_merge).
+    # The 28th session's tree: "weighted", and the decode attention's split merge one Pallas Triton kernel.
     "merge": _patch,
     "merge_unweighted": functools.partial(_patch, weighted=False),
     "merge_kv": functools.partial(_patch, kv_kernel=True),
+    # The tree since the 29th session: "merge", and the decode steps' q/k/v product split 4 ways over K.
+    "qkv_split": functools.partial(_patch, qkv_split_k=4),
+    "qkv_split2": functools.partial(_patch, qkv_split_k=2),
     "base_27": functools.partial(_patch, qk=False, routing=False, weighted=False, merge=False),  # before the 27th
     "new": functools.partial(_patch, weighted=False, merge=False),
     "new_slices_combine": functools.partial(_patch, combine="slices", weighted=False, merge=False),
@@ -190,7 +196,8 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
 
     import jaxinfer.attention
 
-    saved = (moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv)
+    saved = (moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv,
+             qwen3.QKV_SPLIT_K)
     _SAVED_ATTENTION[:] = [attention_gpu.ragged_paged_attention]
     VARIANTS[name](runner)
     args, branch_free, ids = decode_args(llm, ctx, engine.decode_steps_per_call)
@@ -233,7 +240,8 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
     for i in ids:
         engine.abort(i)
     runner.moe_fn = saved_moe_fn  # every variant starts from the tree's code
-    moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv = saved
+    (moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv,
+     qwen3.QKV_SPLIT_K) = saved
     attention_gpu.ragged_paged_attention = _SAVED_ATTENTION[0]
     return {"variant": name, "ms_per_iteration": ms_iter, "compile_s": compile_s, "source": source,
             "launches_per_iteration": launches, "kernel_ms_per_iteration": kernel_ms, "first_tokens": tokens[0],
