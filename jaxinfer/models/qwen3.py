@@ -151,8 +151,8 @@ QK_NORM_JOIN_MAX_TOKENS = 64
 # compute the joined product as QKV_SPLIT_K partial products over slices of K, summed in float32 (0: never).
 # Why: for Qwen3-30B-A3B's [2, 2048] x [2048, 5120] XLA's Triton GEMM tiles the output 8 x 64, 80 CTAs for the
 # H200's 132 SMs, and streams the 21 MB at 62% of the copy rate (10.2 us alone); split 4 ways by hand, sum
-# included, 8.0 us (79%), and the batch-1 decode loop's iteration 3.395/3.401 -> 3.267 ms in one process
-# (2 ways: 3.280). Llama-3-8B's 4096-wide q/k/v already runs at ~96% unsplit, hence the width bound
+# included, 8.0 us (79%), and the batch-1 decode loop's iteration 3.378/3.374 -> 3.250/3.248 ms, alternating in one
+# process (2 ways, another process: 3.280). Llama-3-8B's 4096-wide q/k/v already runs at ~96% unsplit, hence the width bound
 # (scripts/bench_skinny_gemm.py, docs/benchmarks/skinny_gemm_h200_2026-11-28.json, docs/PERFORMANCE.md).
 QKV_SPLIT_K = 4
 QKV_SPLIT_K_MAX_TOKENS = 8
