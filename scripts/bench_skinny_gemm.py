@@ -81,14 +81,10 @@ def _xla_kn_norm_apart(x: jax.Array, w: jax.Array) -> jax.Array:
 
 
 def _xla_split_k(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
-    """K split by hand: `splits` float32 partial products as one batched dot, then their sum (XLA chose this form
-    itself for Qwen3-30B-A3B's output projection in the decode loop, 8 ways, but not for its q/k/v product, whose
-    Triton GEMM of 8 x 64 output tiles runs 80 CTAs on the H200's 132 SMs)."""
-    m, k = x.shape
-    xs = x.reshape(m, splits, k // splits)  # [M, S, K/S]
-    ws = w.reshape(splits, k // splits, w.shape[1])  # [S, K/S, N]
-    parts = jnp.einsum("msk,skn->smn", xs, ws, preferred_element_type=jnp.float32)  # [S, M, N]
-    return parts.sum(axis=0).astype(x.dtype)  # [M, N]
+    """K split by hand, as the engine's Qwen3 q/k/v product of decode steps on a GPU (qwen3.split_k_product)."""
+    from jaxinfer.models.qwen3 import split_k_product
+
+    return split_k_product(x, w, splits)
 
 
 CANDIDATES: dict[str, tuple[Callable[..., jax.Array], bool]] = {  # name -> (product, weight stored [N, K])
