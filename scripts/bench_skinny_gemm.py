@@ -10,7 +10,9 @@ the 50 MB L2 cannot hold them, called back to back; a product's time is the prog
 
 Candidates: `xla_kn` (the engine's layout, x @ W[K, N]), `xla_nk` (the weight stored [N, K], each output's row
 contiguous), `gmm_cols` (pallas_kernels.grouped_matmul's Mosaic GPU cols kernel with one group, its split-K
-sum and gather included), and `xla_kn_norm` / `xla_kn_norm_apart` (RMSNorm of x before the product, as a layer
+sum and gather included), `skinny` / `skinny_norm` (pallas_kernels.skinny_matmul's Pallas Triton kernel, the
+norm in its prologue; `skinny_norm:64:64:4:4:3` picks a tiling), `xla_split_k4_norm` (the norm, then the product
+split 4 ways over K by XLA: the engine's decode q/k/v before that kernel), and `xla_kn_norm` / `xla_kn_norm_apart` (RMSNorm of x before the product, as a layer
 does, fusable into the GEMM or kept apart by a barrier). The copy rate is read + write of an elementwise pass;
 a read-only stream runs faster, so a product can show more than 100%. XLA flags are per process: run the script again under XLA_FLAGS to compare them.
 """
@@ -18,6 +20,7 @@ a read-only stream runs faster, so a product can show more than 100%. XLA flags 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import time
@@ -87,9 +90,31 @@ def _xla_split_k(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
     return split_k_product(x, w, splits)
 
 
+def _skinny(x: jax.Array, w: jax.Array, tiling: Any, normed: bool) -> jax.Array:
+    """pallas_kernels.skinny_matmul's kernel (a unit norm weight in its prologue when `normed`), parts summed."""
+    from pallas_kernels.skinny_matmul import normed_matmul
+
+    norm = jnp.ones((x.shape[1],), x.dtype) if normed else None
+    return normed_matmul(x, w, norm, 1e-6, impl="pallas_gpu", tiling=tiling)
+
+
+def candidate(name: str) -> tuple[Callable[..., jax.Array], bool]:
+    """name -> (product, weight stored [N, K]). `skinny[_norm]:BN:BK:S:W:ST[:A]` is the Pallas kernel with that
+    tiling (block_n, block_k, splits, warps, stages, block_acc 1/0); plain `skinny` / `skinny_norm` its default."""
+    if name.split(":")[0] in ("skinny", "skinny_norm"):
+        from pallas_kernels.skinny_matmul import Tiling
+
+        head, *fields = name.split(":")
+        tiling = Tiling(*map(int, fields[:5]), *map(bool, map(int, fields[5:]))) if fields else Tiling()
+        return functools.partial(_skinny, tiling=tiling, normed=head == "skinny_norm"), False
+    return CANDIDATES[name]
+
+
 CANDIDATES: dict[str, tuple[Callable[..., jax.Array], bool]] = {  # name -> (product, weight stored [N, K])
     "xla_split_k2": (lambda x, w: _xla_split_k(x, w, 2), False),
     "xla_split_k4": (lambda x, w: _xla_split_k(x, w, 4), False),
+    # The engine's decode q/k/v before the norm kernel: the RMSNorm, then the product split 4 ways.
+    "xla_split_k4_norm": (lambda x, w: _xla_split_k(_rms_norm(x), w, 4), False),
     "xla_kn": (_xla_kn, False), "xla_nk": (_xla_nk, True), "gmm_cols": (_gmm_cols, False),
     "xla_kn_norm": (_xla_kn_norm, False), "xla_kn_norm_apart": (_xla_kn_norm_apart, False),
 }
@@ -135,23 +160,22 @@ def main() -> None:
             continue
         for m in args.rows:
             for cand in args.candidates:
-                fn, transposed = CANDIDATES[cand]
+                fn, transposed = candidate(cand)
                 try:
                     s = time_product(fn, m, k, n, transposed)
                 except Exception as e:  # noqa: BLE001 - a candidate that cannot take the shape is reported
                     rows.append({"shape": name, "k": k, "n": n, "m": m, "candidate": cand,
                                  "error": f"{type(e).__name__}: {str(e)[:200]}"})
-                    print(f"{name:18s} M={m:<2d} {cand:9s} error {type(e).__name__}")
+                    print(f"{name:18s} M={m:<2d} {cand:9s} error {type(e).__name__}: {str(e)[:300]}")
                     continue
                 ideal = k * n * 2 / rate
                 rows.append({"shape": name, "k": k, "n": n, "m": m, "candidate": cand, "us": s * 1e6,
                              "pct_of_copy_rate": 100 * ideal / s})
                 print(f"{name:18s} M={m:<2d} {cand:9s} {s * 1e6:8.2f} us  {100 * ideal / s:5.1f}% of copy rate")
-    result = {"device": jax.devices()[0].device_kind, "copy_bytes_per_s": rate,
-              "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows}
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+                if args.out:  # after every row: a run cut short by its time limit keeps what it measured
+                    with open(args.out, "w") as f:
+                        json.dump({"device": jax.devices()[0].device_kind, "copy_bytes_per_s": rate,
+                                   "xla_flags": os.environ.get("XLA_FLAGS", ""), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -245,11 +245,11 @@ def _kernel(experts_ref, valid_ref, offset_ref, weights_ref, x_gmem, g_gmem, u_g
             _down_rows(h, d_gmem.at[expert], o_gmem.at[c, slot], o_smem, **down)
 
 
-@functools.partial(jax.jit, static_argnames=("tiling", "interpret"))
+@functools.partial(jax.jit, static_argnames=("tiling", "interpret", "pad_rows"))
 def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, experts: jax.Array,
                    valid: jax.Array | None = None, expert_offset: jax.Array | int = 0,
                    weights: jax.Array | None = None, *, tiling: SwigluTiling | None = None,
-                   interpret: bool = False) -> jax.Array:
+                   interpret: bool = False, pad_rows: bool = True) -> jax.Array:
     """[F / tile_f, k, T, D] float32 partial sums of each token's k SwiGLU experts (module docstring): x [T, D],
     experts [T, k] global ids of which the weights hold expert_offset .. + E - 1, valid [T] bool (None: all).
     Without `weights`, slots of invalid tokens or of experts held elsewhere are left unwritten (mask them); with
@@ -264,7 +264,8 @@ def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
     tokens, top_k = experts.shape
     t = tiling or default_tiling(tokens * top_k, f)
     check_tiling(t, d, f)
-    x = jnp.pad(x, ((0, -(-tokens // _ROW_ALIGN) * _ROW_ALIGN - tokens), (0, 0)))  # [Tp, D]: TMA tiles rows by 8
+    if pad_rows:
+        x = jnp.pad(x, ((0, -(-tokens // _ROW_ALIGN) * _ROW_ALIGN - tokens), (0, 0)))  # [Tp, D]: TMA tiles rows by 8
     valid = jnp.ones((tokens,), jnp.int32) if valid is None else valid.astype(jnp.int32)
     offset = jnp.reshape(jnp.asarray(expert_offset, jnp.int32), (1,))
     weighted = weights is not None
