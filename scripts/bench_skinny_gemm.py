@@ -10,8 +10,7 @@ the 50 MB L2 cannot hold them, called back to back; a product's time is the prog
 
 Candidates: `xla_kn` (the engine's layout, x @ W[K, N]), `xla_nk` (the weight stored [N, K], each output's row
 contiguous), `gmm_cols` (pallas_kernels.grouped_matmul's Mosaic GPU cols kernel with one group, its split-K
-sum and gather included), `skinny` / `skinny_norm` (pallas_kernels.skinny_matmul's Pallas Triton kernel, the
-norm in its prologue; `skinny_norm:64:64:4:4:3` picks a tiling), `xla_split_k4_norm` (the norm, then the product
+sum and gather included), `xla_split_k4_norm` (the norm, then the product
 split 4 ways over K by XLA: the engine's decode q/k/v before that kernel), and `xla_kn_norm` / `xla_kn_norm_apart` (RMSNorm of x before the product, as a layer
 does, fusable into the GEMM or kept apart by a barrier). The copy rate is read + write of an elementwise pass;
 a read-only stream runs faster, so a product can show more than 100%. XLA flags are per process: run the script again under XLA_FLAGS to compare them.
@@ -20,7 +19,6 @@ a read-only stream runs faster, so a product can show more than 100%. XLA flags 
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import os
 import time
@@ -90,23 +88,8 @@ def _xla_split_k(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
     return split_k_product(x, w, splits)
 
 
-def _skinny(x: jax.Array, w: jax.Array, tiling: Any, normed: bool) -> jax.Array:
-    """pallas_kernels.skinny_matmul's kernel (a unit norm weight in its prologue when `normed`), parts summed."""
-    from pallas_kernels.skinny_matmul import normed_matmul
-
-    norm = jnp.ones((x.shape[1],), x.dtype) if normed else None
-    return normed_matmul(x, w, norm, 1e-6, impl="pallas_gpu", tiling=tiling)
-
-
 def candidate(name: str) -> tuple[Callable[..., jax.Array], bool]:
-    """name -> (product, weight stored [N, K]). `skinny[_norm]:BN:BK:S:W:ST[:A]` is the Pallas kernel with that
-    tiling (block_n, block_k, splits, warps, stages, block_acc 1/0); plain `skinny` / `skinny_norm` its default."""
-    if name.split(":")[0] in ("skinny", "skinny_norm"):
-        from pallas_kernels.skinny_matmul import Tiling
-
-        head, *fields = name.split(":")
-        tiling = Tiling(*map(int, fields[:5]), *map(bool, map(int, fields[5:]))) if fields else Tiling()
-        return functools.partial(_skinny, tiling=tiling, normed=head == "skinny_norm"), False
+    """name -> (product, weight stored [N, K])."""
     return CANDIDATES[name]
 
 

@@ -96,11 +96,10 @@
 #                copy kernels' gpu-marked test)
 #   moe_b1_kernels  scripts/profile_decode_buckets.py for Qwen3-30B-A3B's batch-1 bucket: its 80 costliest kernels
 #                and the compiled decode HLO: $OUT/moe_b1_kernels.json, $OUT/decode_rows2*.hlo.txt
-#   skinny       pallas_kernels/skinny_matmul: its gpu tests, then scripts/bench_skinny_gemm.py at 2 rows on Qwen3-30B-A3B's
-#                q/k/v and output projection against XLA (SKINNY_SHAPES, SKINNY_CANDIDATES: e.g. skinny_norm:64:64:4:4:3:1
-#                for a tiling); $OUT/skinny.json
+#   skinny       scripts/bench_skinny_gemm.py at 2 rows on Qwen3-30B-A3B's q/k/v and output projection (SKINNY_SHAPES,
+#                SKINNY_CANDIDATES); $OUT/skinny.json
 #   moe_b1_variants  scripts/moe_b1_variants.py: Qwen3-30B-A3B's batch-1 decode loop under code variants (MBV_VARIANTS,
-#                default "qkv_split norm_kernel": the 29th session's tree, and the tree), one process, no
+#                default "qkv_split nopad": the 29th session's tree, and the tree), one process, no
 #                warmup: ms per iteration, launches per iteration by kernel, compiled HLO ($OUT/moe_b1_variants.json)
 #   moe_b1_steps Qwen3-30B-A3B batch-1 decode (end to end and device only) at 8, 16 and 32 decode steps per call,
 #                one process each: $OUT/moe_b1_steps{8,16,32}.json (is batch 1 bound by a per-call cost?);
@@ -156,9 +155,8 @@ for section in "$@"; do
     gmm)
       run gmm 500 python3 scripts/bench_grouped_matmul.py --out "$OUT/gmm.json" ;;
     skinny)
-      run skinny_tests 200 python3 -m pytest -q -m gpu tests/pallas_kernels/test_skinny_matmul.py
       run skinny_bench 280 python3 scripts/bench_skinny_gemm.py --rows 2 --shapes ${SKINNY_SHAPES:-qwen3moe_qkv qwen3moe_o} \
-        --candidates ${SKINNY_CANDIDATES:-xla_kn xla_split_k4 xla_split_k4_norm skinny skinny_norm} --out "$OUT/skinny.json" ;;
+        --candidates ${SKINNY_CANDIDATES:-xla_kn xla_split_k4 xla_split_k4_norm} --out "$OUT/skinny.json" ;;
     gmm_tests)
       run gmm_tests 300 python3 -m pytest -q -m gpu --durations=5 tests/pallas_kernels/test_grouped_matmul.py ;;
     pair_tests)
@@ -357,7 +355,7 @@ print(f(llm.describe()))' ;;
       run moe_b1_kernels 400 python3 scripts/profile_decode_buckets.py --model qwen3-30b-a3b --rows 1 --max-num-seqs 2 \
         --memory-fraction 0.85 --top 80 --out "$OUT/moe_b1_kernels.json" --hlo-dir "$OUT" ;;
     moe_b1_variants)
-      run moe_b1_variants 500 python3 scripts/moe_b1_variants.py --variants ${MBV_VARIANTS:-qkv_split norm_kernel} --budget-s 400 \
+      run moe_b1_variants 500 python3 scripts/moe_b1_variants.py --variants ${MBV_VARIANTS:-qkv_split nopad} --budget-s 400 \
         --out "$OUT/moe_b1_variants.json" --hlo-dir "$OUT" ;;
     moe_b1_steps)
       for n in ${MOE_B1_STEPS:-8 16 32}; do

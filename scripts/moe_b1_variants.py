@@ -27,7 +27,6 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.bench.measure import device_events
 from jaxinfer.bench.workloads import fixed, prompts
 from jaxinfer.engine.runner import decode_kind
-from jaxinfer.models.qwen3 import QKV_NORM_KERNEL as TREE_NORM_KERNEL  # the tree's, before any variant patches it
 
 
 def _slices_combine_parts(parts: jax.Array, mine: jax.Array, weights: jax.Array) -> jax.Array:
@@ -106,8 +105,7 @@ def _kernel_write_kv(k_pages: Any, v_pages: Any, k: jax.Array, v: jax.Array, slo
 
 def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = True, splits: bool = True,
            weighted: bool = True, attention_splits: int | None = None, merge: bool = True,
-           kv_kernel: bool = False, qkv_split_k: int = 0, qkv_norm_kernel: Any = None,
-           pad_rows: bool = True) -> None:
+           kv_kernel: bool = False, qkv_split_k: int = 0, pad_rows: bool | None = True) -> None:
     """The tree's code with the named pieces (False) put back as they were before this script's sessions, or with
     a combine it tried ("slices", "s_then_k"), or the attention's split count forced."""
     from jaxinfer.models import moe, qwen3
@@ -115,9 +113,6 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
     # The joined q/k/v product of decode-sized steps with K split this many ways (qwen3.QKV_SPLIT_K, 4 in the tree
     # since the 29th session; 0, the default here, is the one product of the variants before it).
     qwen3.QKV_SPLIT_K = qkv_split_k
-    # The attention norm and that split product as one Pallas kernel with this tiling (qwen3.QKV_NORM_KERNEL, in
-    # the tree since the 30th session; None, the default here, is the norm as a kernel of its own).
-    qwen3.QKV_NORM_KERNEL = qkv_norm_kernel
     if combine != "tree":
         moe._combine_parts = {"slices": _slices_combine_parts, "s_then_k": _s_then_k_combine_parts}[combine]
     if not qk:
@@ -128,10 +123,11 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
         _pair_kernel(runner, router_splits=1)
     if not weighted:  # the expert kernel's parts unweighted, masked and weighted by the combine (before 11-28b)
         _pair_kernel(runner, swiglu_weighted=False)
-    if not pad_rows:  # the expert kernel handed x [T, D] as it is, its TMA filling the rows past T with zeros
-        pk = runner.moe_fn.keywords["pair_kernel"]
-        if pk is not None and pk.swiglu is not None:
-            _pair_kernel(runner, swiglu=functools.partial(pk.swiglu, pad_rows=False))
+    # The expert kernel's x padded to a multiple of 8 rows always (True: the tree before the 30th session), or only
+    # where Mosaic's TMA tiling needs it (None: the tree since; a 2-row bucket's x goes as it is).
+    pk = runner.moe_fn.keywords["pair_kernel"]
+    if pk is not None and pk.swiglu is not None:
+        _pair_kernel(runner, swiglu=functools.partial(pk.swiglu, pad_rows=pad_rows))
     if kv_kernel:  # K and V written by the kv_write kernel, not two scatters
         import jaxinfer.attention
 
@@ -158,11 +154,8 @@ VARIANTS: dict[str, Callable[[Any], None]] = {
     # The tree since the 29th session: "merge", and the decode steps' q/k/v product split 4 ways over K.
     "qkv_split": functools.partial(_patch, qkv_split_k=4),
     "qkv_split2": functools.partial(_patch, qkv_split_k=2),
-    # The tree since the 30th session: "qkv_split" with the attention norm in the product's Pallas kernel
-    # (pallas_kernels.skinny_matmul); "norm_kernel:BN:BK:S:W:ST:A:M" names a tiling of it (variant()).
-    # "qkv_split" with x not padded to 8 rows for the expert kernel.
-    "nopad": functools.partial(_patch, qkv_split_k=4, pad_rows=False),
-    "norm_kernel": lambda runner: _patch(runner, qkv_split_k=4, qkv_norm_kernel=TREE_NORM_KERNEL),
+    # The tree since the 30th session: "qkv_split", and the expert kernel's x of a 2-row bucket not padded to 8 rows.
+    "nopad": functools.partial(_patch, qkv_split_k=4, pad_rows=None),
     "base_27": functools.partial(_patch, qk=False, routing=False, weighted=False, merge=False),  # before the 27th
     "new": functools.partial(_patch, weighted=False, merge=False),
     "new_slices_combine": functools.partial(_patch, combine="slices", weighted=False, merge=False),
@@ -171,17 +164,6 @@ VARIANTS: dict[str, Callable[[Any], None]] = {
     "new_old_routing": functools.partial(_patch, routing=False, weighted=False, merge=False),
     "new_unsplit_router": functools.partial(_patch, splits=False, weighted=False, merge=False),
 }
-
-
-def variant(name: str) -> Callable[[Any], None]:
-    """A named variant, or `norm_kernel:BN:BK:S:W:ST[:A[:M]]`: the norm kernel with that skinny_matmul.Tiling."""
-    if name.startswith("norm_kernel:"):
-        from pallas_kernels.skinny_matmul import Tiling
-
-        fields = name.split(":")[1:]
-        tiling = Tiling(*map(int, fields[:5]), *map(bool, map(int, fields[5:])))
-        return lambda runner: _patch(runner, qkv_split_k=4, qkv_norm_kernel=tiling)
-    return VARIANTS[name]
 
 
 def fresh_decode_jit(runner: Any, kind: str) -> None:
@@ -222,9 +204,9 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
     import jaxinfer.attention
 
     saved = (moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv,
-             qwen3.QKV_SPLIT_K, qwen3.QKV_NORM_KERNEL)
+             qwen3.QKV_SPLIT_K)
     _SAVED_ATTENTION[:] = [attention_gpu.ragged_paged_attention]
-    variant(name)(runner)
+    VARIANTS[name](runner)
     args, branch_free, ids = decode_args(llm, ctx, engine.decode_steps_per_call)
     steps = engine.decode_steps_per_call
     kind = decode_kind(args[0].logits_indices.shape[0])
@@ -266,7 +248,7 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
         engine.abort(i)
     runner.moe_fn = saved_moe_fn  # every variant starts from the tree's code
     (moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv,
-     qwen3.QKV_SPLIT_K, qwen3.QKV_NORM_KERNEL) = saved
+     qwen3.QKV_SPLIT_K) = saved
     attention_gpu.ragged_paged_attention = _SAVED_ATTENTION[0]
     return {"variant": name, "ms_per_iteration": ms_iter, "compile_s": compile_s, "source": source,
             "launches_per_iteration": launches, "kernel_ms_per_iteration": kernel_ms, "first_tokens": tokens[0],

@@ -55,8 +55,6 @@ from jaxinfer.models.fused import FusedColumns
 from jaxinfer.models.moe import MoEFn, MoEWeights, moe_block, moe_specs, valid_tokens
 from jaxinfer.params import Init, ParamSpec
 from jaxinfer.sharding import Logical as L
-from pallas_kernels import skinny_matmul
-
 
 @struct.dataclass
 class DenseMLP:
@@ -176,23 +174,9 @@ def _takes_split_k(x: jax.Array, wq: FusedColumns) -> bool:
             and x.shape[0] <= QKV_SPLIT_K_MAX_TOKENS and k <= QKV_SPLIT_K_MAX_IN and k % QKV_SPLIT_K == 0)
 
 
-# Where the split product is taken (_takes_split_k), with the layer's attention norm still to apply, the norm and
-# the product can run as one Pallas Triton kernel (pallas_kernels.skinny_matmul) with this tiling. Off (None): on an
-# H200 every tiling tried was slower than XLA's norm kernel plus split product (best 12.1 against 9.2-10.6 us for
-# Qwen3-30B-A3B's q/k/v at 2 rows; docs/PERFORMANCE.md, issue 13, thirtieth session).
-QKV_NORM_KERNEL: skinny_matmul.Tiling | None = None
-
-
-def _takes_norm_kernel(x: jax.Array, wq: FusedColumns) -> bool:
-    tiling = QKV_NORM_KERNEL
-    return (tiling is not None and _takes_split_k(x, wq)
-            and skinny_matmul.takes(x.shape[0], x.shape[1], wq.w.shape[1], tiling))
-
-
-def normed_qkv(layer: Qwen3Layer, x: jax.Array, eps: float, linear: Linear = DEFAULT_LINEAR,
-               norm: jax.Array | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [T, D] -> q [T, N, H], k [T, K, H] after QK-norm, and v [T, K, H]. With `norm` (the layer's attention
-    norm weight [D]), x is the residual stream and is RMS-normed first, in the product's kernel where it takes it.
+def normed_qkv(layer: Qwen3Layer, x: jax.Array, eps: float,
+               linear: Linear = DEFAULT_LINEAR) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [T, D] -> q [T, N, H], k [T, K, H] after QK-norm, and v [T, K, H].
 
     With q/k/v joined at load on one device (FusedColumns, N not split), the q and k heads are consecutive in the
     product and take one RMSNorm over [T, N + K, H], each head its own weight: separately they were two norm
@@ -204,17 +188,11 @@ def normed_qkv(layer: Qwen3Layer, x: jax.Array, eps: float, linear: Linear = DEF
     rounding of XLA's other fusions; the margin before the join was not measured)."""
     head_dim = layer.q_norm.shape[0]
     wq = layer.wq
-    joined = isinstance(wq, FusedColumns) and wq.shards == 1 and x.shape[0] <= QK_NORM_JOIN_MAX_TOKENS
-    if norm is not None and not (joined and _takes_norm_kernel(x, wq)):
-        x, norm = rms_norm(x, norm, eps), None
-    if not joined:
+    if not (isinstance(wq, FusedColumns) and wq.shards == 1 and x.shape[0] <= QK_NORM_JOIN_MAX_TOKENS):
         q, k, v = head_projections(x, wq, layer.wk, layer.wv, head_dim, linear)  # [T, N|K, H]
         return rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps), v
     t, (n, kv) = x.shape[0], (wq.widths[0] // head_dim, wq.widths[1] // head_dim)
-    if norm is not None:  # the norm kernel's partial products over K, summed (XLA fuses the sum into the readers)
-        parts = skinny_matmul.normed_matmul_parts(x, wq.w, norm, eps, impl="pallas_gpu", tiling=QKV_NORM_KERNEL)
-        y = parts.sum(axis=0).astype(x.dtype)  # [S, T, (N + 2K) * H] -> [T, (N + 2K) * H]
-    elif _takes_split_k(x, wq):
+    if _takes_split_k(x, wq):
         y = split_k_product(x, wq.w, QKV_SPLIT_K)  # [T, (N + 2K) * H]
     else:
         y = joined_projection(x, wq, L.Q_HEADS, linear, split=False)  # [T, (N + 2K) * H]
@@ -237,10 +215,8 @@ def attention_block(
     eps: float,
     attn_fn: AttentionFn,
     linear: Linear = DEFAULT_LINEAR,
-    norm: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """x [T, D] (RMS-normed here with `norm` when given) -> (attention output [T, D], the updated pages)."""
-    q, k, v = normed_qkv(layer, x, eps, linear, norm)  # [T, N|K, H], q and k normed over H per head
+    q, k, v = normed_qkv(layer, x, eps, linear)  # [T, N|K, H], q and k normed over H per head
     q = apply_rope(q, md.positions, inv_freq)
     k = apply_rope(k, md.positions, inv_freq)
     attn, k_pages, v_pages = attn_fn(q, k, v, k_pages, v_pages, md)  # [T, N, H]
@@ -266,8 +242,8 @@ def decoder_layer(layer: Qwen3Layer, x: jax.Array, k_pages: jax.Array, v_pages: 
                   linear: Linear) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """x [T, D] -> (x [T, D], the layer's updated pages, tokens per expert [E]) after attention + MLP or MoE."""
     eps = cfg.rms_norm_eps
-    attn_out, k_pages, v_pages = attention_block(layer, x, k_pages, v_pages, md, inv_freq, eps, attn_fn, linear,
-                                                 norm=layer.attn_norm)
+    h = rms_norm(x, layer.attn_norm, eps)
+    attn_out, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, inv_freq, eps, attn_fn, linear)
     x = x + attn_out
     out, counts = feed_forward(layer, rms_norm(x, layer.mlp_norm, eps), cfg, valid, moe_fn, linear)
     return x + out, k_pages, v_pages, counts

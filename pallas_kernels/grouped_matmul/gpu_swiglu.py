@@ -217,7 +217,7 @@ def _kernel(experts_ref, valid_ref, offset_ref, weights_ref, x_gmem, g_gmem, u_g
             *h_smem, t: SwigluTiling, weighted, interpret):
     # experts_ref [T, k] i32 global expert ids; valid_ref [T] i32; offset_ref [1] i32 (the first local expert);
     # weights_ref [T, k] f32 routing weights (read only when `weighted`);
-    # x_gmem [Tp, D]; g_gmem, u_gmem [E, D, F]; d_gmem [E, F, D]; o_gmem [S, k, T, D] f32;
+    # x_gmem [T, D], or padded [Tp, D]; g_gmem, u_gmem [E, D, F]; d_gmem [E, F, D]; o_gmem [S, k, T, D] f32;
     # o_smem [2, tile_d] f32 ("cols", with h_smem [64, tile_f]) or [2, 64, tile_d] f32.
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -249,12 +249,16 @@ def _kernel(experts_ref, valid_ref, offset_ref, weights_ref, x_gmem, g_gmem, u_g
 def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, experts: jax.Array,
                    valid: jax.Array | None = None, expert_offset: jax.Array | int = 0,
                    weights: jax.Array | None = None, *, tiling: SwigluTiling | None = None,
-                   interpret: bool = False, pad_rows: bool = True) -> jax.Array:
+                   interpret: bool = False, pad_rows: bool | None = None) -> jax.Array:
     """[F / tile_f, k, T, D] float32 partial sums of each token's k SwiGLU experts (module docstring): x [T, D],
     experts [T, k] global ids of which the weights hold expert_offset .. + E - 1, valid [T] bool (None: all).
     Without `weights`, slots of invalid tokens or of experts held elsewhere are left unwritten (mask them); with
     routing weights [T, k], each pair's rows are scaled by its weight and those slots hold zeros, so the MoE output
-    is the plain sum over the two leading axes."""
+    is the plain sum over the two leading axes. pad_rows: x padded to a multiple of 8 rows always (True), or only
+    where Mosaic's TMA tiling asks for it (None: T over 8 and not a multiple of it; below 8 rows the x tile's TMA
+    fills the rows past T with zeros). Not padding a 2-row decode bucket took a kernel out of each MoE layer: one
+    H200, Qwen3-30B-A3B's batch-1 loop 3.243 / 3.242 -> 3.198 / 3.201 ms an iteration, 837 -> 789 launches
+    (docs/benchmarks/moe_b1_nopad_h200_2026-11-29.json)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     if not supported(x, w_gate, w_up, w_down):
@@ -264,7 +268,7 @@ def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
     tokens, top_k = experts.shape
     t = tiling or default_tiling(tokens * top_k, f)
     check_tiling(t, d, f)
-    if pad_rows:
+    if pad_rows or (pad_rows is None and tokens > _ROW_ALIGN and tokens % _ROW_ALIGN):
         x = jnp.pad(x, ((0, -(-tokens // _ROW_ALIGN) * _ROW_ALIGN - tokens), (0, 0)))  # [Tp, D]: TMA tiles rows by 8
     valid = jnp.ones((tokens,), jnp.int32) if valid is None else valid.astype(jnp.int32)
     offset = jnp.reshape(jnp.asarray(expert_offset, jnp.int32), (1,))

@@ -83,38 +83,3 @@ def test_gpu_decode_steps_split_the_joined_product(monkeypatch) -> None:
     assert calls == [qwen3.QKV_SPLIT_K]
     for g, w in zip(got, want):
         np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-5, atol=1e-5)
-
-
-def test_gpu_decode_steps_take_the_attention_norm_into_the_product_kernel(monkeypatch) -> None:
-    """Handed the layer's attention norm, normed_qkv on a GPU backend runs the norm and the split product as one
-    kernel (pallas_kernels.skinny_matmul, here in interpret mode) where QKV_NORM_KERNEL's tiling takes the shape;
-    q, k and v are those of the norm followed by the product. Without a tiling, the norm runs apart as before."""
-    from pallas_kernels import skinny_matmul
-
-    cfg = tiny_qwen3_dense(**CFG)
-    runner = build_runner(cfg, tp=1, seed=5, family=QWEN3, weights_hook=fuse_projections)
-    r = np.random.default_rng(9)
-    layer = runner.weights.layers[0]
-    layer = layer.replace(attn_norm=jnp.asarray(1 + 0.5 * r.standard_normal(cfg.hidden_size), layer.attn_norm.dtype))
-    x = jnp.asarray(r.standard_normal((2, cfg.hidden_size)) * 4, runner.weights.embed.dtype)
-    eps = cfg.rms_norm_eps
-    want = jax.jit(qwen3.normed_qkv, static_argnums=2)(layer, qwen3.rms_norm(x, layer.attn_norm, eps), eps)  # CPU
-    monkeypatch.setattr(qwen3.jax, "default_backend", lambda: "gpu")
-    tiling = skinny_matmul.Tiling(block_n=16, block_k=16, splits=2)
-    calls = []
-    kernel = skinny_matmul.normed_matmul_parts
-
-    def interpreted(*a, **kw):
-        calls.append(kw["tiling"])
-        return kernel(*a, **{**kw, "interpret": True})
-
-    monkeypatch.setattr(qwen3.skinny_matmul, "normed_matmul_parts", interpreted)
-    for setting, kernel_calls in ((tiling, [tiling]), (None, [])):
-        monkeypatch.setattr(qwen3, "QKV_NORM_KERNEL", setting)
-        calls.clear()
-        # A new function object each time: jax.jit's trace cache would hand back an earlier trace.
-        got = jax.jit(functools.partial(qwen3.normed_qkv), static_argnums=(2, 3))(
-            layer, x, eps, qwen3.DEFAULT_LINEAR, layer.attn_norm)
-        assert calls == kernel_calls
-        for g, w in zip(got, want):
-            np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(w, np.float32), rtol=1e-5, atol=1e-5)

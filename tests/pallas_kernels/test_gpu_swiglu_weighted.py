@@ -108,3 +108,18 @@ def test_gpu_weighted_swiglu_at_qwen3_decode(rng, tokens, offset, tiling):
                                       jnp.asarray(weights), tiling=tiling)
     want, live = _oracle(x, wg, wu, wd, experts, weights, valid, offset)
     _check(parts, want, live)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 2, 3, 10])
+def test_gpu_weighted_swiglu_unpadded_rows(rng, tokens):
+    """The default pad_rows: x [T, D] of fewer than 8 rows goes as it is, the x tile's TMA filling the rows past T
+    with zeros; 10 rows are padded to 16 (Mosaic's tiling takes a row count under 8 or a multiple of it)."""
+    d, f, groups = 2048, 768, 128
+    experts, weights, valid = _routing(rng, tokens, 8, groups, 0)
+    x = jax.random.normal(jax.random.key(int(rng.integers(2**31))), (tokens, d), jnp.bfloat16)
+    wg, wu, wd = _weights(jax.random.key(int(rng.integers(2**31))), groups, d, f)
+    parts = gpu_swiglu.swiglu_experts(x, wg, wu, wd, jnp.asarray(experts), jnp.asarray(valid), 0,
+                                      jnp.asarray(weights))
+    want, live = _oracle(x, wg, wu, wd, experts, weights, valid, 0)
+    _check(parts, want, live)
