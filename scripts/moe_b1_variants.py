@@ -63,6 +63,17 @@ def _old_normed_qkv(layer: Any, x: jax.Array, eps: float, linear: Any) -> tuple[
     return rms_norm(q, layer.q_norm, eps), rms_norm(k, layer.k_norm, eps), v
 
 
+def _split_output_projection(attn: jax.Array, wo: Any, linear: Any, splits: int) -> jax.Array:
+    """attn [T, N, H] @ wo [N, H, D] as qwen3.split_k_product over N * H (float weights; else the tree's)."""
+    from jaxinfer.linear import is_quantized
+    from jaxinfer.models import common, qwen3
+
+    if is_quantized(wo) or attn.shape[0] > 8:
+        return common.output_projection(attn, wo, linear)
+    t, n, h = attn.shape
+    return qwen3.split_k_product(attn.reshape(t, n * h), wo.reshape(n * h, wo.shape[-1]), splits)  # [T, D]
+
+
 def _pair_kernel(runner: Any, **changes: Any) -> None:
     """The runner's MoE block with its pair kernel's fields changed (e.g. select_top_k=None: XLA's top-k)."""
     import dataclasses
@@ -105,7 +116,8 @@ def _kernel_write_kv(k_pages: Any, v_pages: Any, k: jax.Array, v: jax.Array, slo
 
 def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = True, splits: bool = True,
            weighted: bool = True, attention_splits: int | None = None, merge: bool = True,
-           kv_kernel: bool = False, qkv_split_k: int = 0, pad_rows: bool | None = True) -> None:
+           kv_kernel: bool = False, qkv_split_k: int = 0, pad_rows: bool | None = True,
+           o_split_k: int = 0) -> None:
     """The tree's code with the named pieces (False) put back as they were before this script's sessions, or with
     a combine it tried ("slices", "s_then_k"), or the attention's split count forced."""
     from jaxinfer.models import moe, qwen3
@@ -113,6 +125,8 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
     # The joined q/k/v product of decode-sized steps with K split this many ways (qwen3.QKV_SPLIT_K, 4 in the tree
     # since the 29th session; 0, the default here, is the one product of the variants before it).
     qwen3.QKV_SPLIT_K = qkv_split_k
+    if o_split_k:  # the output projection as o_split_k float32 partial products over slices of K, summed
+        qwen3.output_projection = functools.partial(_split_output_projection, splits=o_split_k)
     if combine != "tree":
         moe._combine_parts = {"slices": _slices_combine_parts, "s_then_k": _s_then_k_combine_parts}[combine]
     if not qk:
@@ -156,6 +170,9 @@ VARIANTS: dict[str, Callable[[Any], None]] = {
     "qkv_split2": functools.partial(_patch, qkv_split_k=2),
     # The tree since the 30th session: "qkv_split", and the expert kernel's x of a 2-row bucket not padded to 8 rows.
     "nopad": functools.partial(_patch, qkv_split_k=4, pad_rows=None),
+    # "nopad" with the output projection split over K (no gain: 3.222 and 3.251 against 3.175 / 3.199 ms; 30th).
+    "o_split4": functools.partial(_patch, qkv_split_k=4, pad_rows=None, o_split_k=4),
+    "o_split2": functools.partial(_patch, qkv_split_k=4, pad_rows=None, o_split_k=2),
     "base_27": functools.partial(_patch, qk=False, routing=False, weighted=False, merge=False),  # before the 27th
     "new": functools.partial(_patch, weighted=False, merge=False),
     "new_slices_combine": functools.partial(_patch, combine="slices", weighted=False, merge=False),
@@ -204,7 +221,7 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
     import jaxinfer.attention
 
     saved = (moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv,
-             qwen3.QKV_SPLIT_K)
+             qwen3.QKV_SPLIT_K, qwen3.output_projection)
     _SAVED_ATTENTION[:] = [attention_gpu.ragged_paged_attention]
     VARIANTS[name](runner)
     args, branch_free, ids = decode_args(llm, ctx, engine.decode_steps_per_call)
@@ -248,7 +265,7 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
         engine.abort(i)
     runner.moe_fn = saved_moe_fn  # every variant starts from the tree's code
     (moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv,
-     qwen3.QKV_SPLIT_K) = saved
+     qwen3.QKV_SPLIT_K, qwen3.output_projection) = saved
     attention_gpu.ragged_paged_attention = _SAVED_ATTENTION[0]
     return {"variant": name, "ms_per_iteration": ms_iter, "compile_s": compile_s, "source": source,
             "launches_per_iteration": launches, "kernel_ms_per_iteration": kernel_ms, "first_tokens": tokens[0],
