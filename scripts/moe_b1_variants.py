@@ -117,7 +117,7 @@ def _kernel_write_kv(k_pages: Any, v_pages: Any, k: jax.Array, v: jax.Array, slo
 def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = True, splits: bool = True,
            weighted: bool = True, attention_splits: int | None = None, merge: bool = True,
            kv_kernel: bool = False, qkv_split_k: int = 0, pad_rows: bool | None = True,
-           o_split_k: int = 0) -> None:
+           o_split_k: int = 0, routing_warps: int = 4, merge_warps: int = 4) -> None:
     """The tree's code with the named pieces (False) put back as they were before this script's sessions, or with
     a combine it tried ("slices", "s_then_k"), or the attention's split count forced."""
     from jaxinfer.models import moe, qwen3
@@ -125,6 +125,16 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
     # The joined q/k/v product of decode-sized steps with K split this many ways (qwen3.QKV_SPLIT_K, 4 in the tree
     # since the 29th session; 0, the default here, is the one product of the variants before it).
     qwen3.QKV_SPLIT_K = qkv_split_k
+    if routing_warps != 4 or merge_warps != 4:  # the two Pallas Triton kernels' warps, each re-jitted to trace anew
+        from pallas_kernels import moe_routing
+        from pallas_kernels.ragged_paged_attention import decode_merge
+
+        moe_routing.NUM_WARPS, decode_merge.NUM_WARPS = routing_warps, merge_warps
+        moe_routing._pallas_gpu = jax.jit(moe_routing._pallas_gpu.__wrapped__,
+                                          static_argnames=("top_k", "renorm", "interpret"))
+        decode_merge.merge_decode_splits = jax.jit(decode_merge.merge_decode_splits.__wrapped__,
+                                                   static_argnames=("group", "scale", "interpret"))
+        _fresh_attention()
     if o_split_k:  # the output projection as o_split_k float32 partial products over slices of K, summed
         qwen3.output_projection = functools.partial(_split_output_projection, splits=o_split_k)
     if combine != "tree":
@@ -173,6 +183,12 @@ VARIANTS: dict[str, Callable[[Any], None]] = {
     # "nopad" with the output projection split over K (no gain: 3.222 and 3.251 against 3.175 / 3.199 ms; 30th).
     "o_split4": functools.partial(_patch, qkv_split_k=4, pad_rows=None, o_split_k=4),
     "o_split2": functools.partial(_patch, qkv_split_k=4, pad_rows=None, o_split_k=2),
+    # "nopad" with the routing kernel's one program, or the decode merge's programs, on fewer warps (shuffle-only
+    # reductions at one warp).
+    "route_w1": functools.partial(_patch, qkv_split_k=4, pad_rows=None, routing_warps=1),
+    "route_w2": functools.partial(_patch, qkv_split_k=4, pad_rows=None, routing_warps=2),
+    "merge_w1": functools.partial(_patch, qkv_split_k=4, pad_rows=None, merge_warps=1),
+    "merge_w2": functools.partial(_patch, qkv_split_k=4, pad_rows=None, merge_warps=2),
     "base_27": functools.partial(_patch, qk=False, routing=False, weighted=False, merge=False),  # before the 27th
     "new": functools.partial(_patch, weighted=False, merge=False),
     "new_slices_combine": functools.partial(_patch, combine="slices", weighted=False, merge=False),
@@ -220,8 +236,11 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
 
     import jaxinfer.attention
 
+    from pallas_kernels import moe_routing
+
     saved = (moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv,
-             qwen3.QKV_SPLIT_K, qwen3.output_projection)
+             qwen3.QKV_SPLIT_K, qwen3.output_projection, moe_routing._pallas_gpu, moe_routing.NUM_WARPS,
+             decode_merge.merge_decode_splits, decode_merge.NUM_WARPS)
     _SAVED_ATTENTION[:] = [attention_gpu.ragged_paged_attention]
     VARIANTS[name](runner)
     args, branch_free, ids = decode_args(llm, ctx, engine.decode_steps_per_call)
@@ -265,7 +284,8 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
         engine.abort(i)
     runner.moe_fn = saved_moe_fn  # every variant starts from the tree's code
     (moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv,
-     qwen3.QKV_SPLIT_K, qwen3.output_projection) = saved
+     qwen3.QKV_SPLIT_K, qwen3.output_projection, moe_routing._pallas_gpu, moe_routing.NUM_WARPS,
+     decode_merge.merge_decode_splits, decode_merge.NUM_WARPS) = saved
     attention_gpu.ragged_paged_attention = _SAVED_ATTENTION[0]
     return {"variant": name, "ms_per_iteration": ms_iter, "compile_s": compile_s, "source": source,
             "launches_per_iteration": launches, "kernel_ms_per_iteration": kernel_ms, "first_tokens": tokens[0],

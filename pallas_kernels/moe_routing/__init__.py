@@ -35,6 +35,7 @@ import jax.numpy as jnp
 Impl = Literal["auto", "reference", "pallas_gpu"]
 
 _MAX_BLOCK = 16 * 1024  # T * E of one program: 16 tokens x 128 experts, a decode step's pair path
+NUM_WARPS = 4  # of the one program (read when the kernel is traced)
 
 
 def split_router_logits(x: jax.Array, router: jax.Array, splits: int) -> jax.Array:
@@ -118,7 +119,7 @@ def _pallas_gpu(logits: jax.Array, top_k: int, renorm: bool, interpret: bool = F
     out = (jax.ShapeDtypeStruct((tokens, top_k), jnp.float32), jax.ShapeDtypeStruct((tokens, top_k), jnp.int32))
     return pl.pallas_call(
         functools.partial(_kernel, top_k=top_k, renorm=renorm), out_shape=out, interpret=interpret,
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
     )(parts)
 
 

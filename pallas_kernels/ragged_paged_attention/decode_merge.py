@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 # One program's [S, H] slice is summed in float32 registers; past this many elements it would spill.
 _MAX_SLICE = 8192
+NUM_WARPS = 4  # per program (read when the kernel is traced)
 
 
 def _pow2(n: int) -> bool:
@@ -73,6 +74,6 @@ def merge_decode_splits(o_parts: jax.Array, lse_parts: jax.Array, real_end: jax.
                   pl.BlockSpec((num_splits, None, None, None), lambda k, t, g: (0, k, t, g)),  # [S]
                   pl.BlockSpec((num_splits, None, None, None, head_dim), lambda k, t, g: (0, k, t, g, 0))],  # [S, H]
         out_specs=pl.BlockSpec((None, None, None, head_dim), lambda k, t, g: (t, k, g, 0)),  # [H]
-        compiler_params=plt.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret, name="decode_merge",
     )(real_end.reshape(1).astype(jnp.int32), lse_parts, o_parts)
