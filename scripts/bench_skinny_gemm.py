@@ -10,10 +10,11 @@ the 50 MB L2 cannot hold them, called back to back; a product's time is the prog
 
 Candidates: `xla_kn` (the engine's layout, x @ W[K, N]), `xla_nk` (the weight stored [N, K], each output's row
 contiguous), `gmm_cols` (pallas_kernels.grouped_matmul's Mosaic GPU cols kernel with one group, its split-K
-sum and gather included), `xla_split_k4_norm` (the norm, then the product
-split 4 ways over K by XLA: the engine's decode q/k/v before that kernel), and `xla_kn_norm` / `xla_kn_norm_apart` (RMSNorm of x before the product, as a layer
-does, fusable into the GEMM or kept apart by a barrier). The copy rate is read + write of an elementwise pass;
-a read-only stream runs faster, so a product can show more than 100%. XLA flags are per process: run the script again under XLA_FLAGS to compare them.
+sum and gather included), `xla_split_k4_norm` (RMSNorm of x, then the product split 4 ways over K: the engine's
+decode q/k/v on a GPU with the norm before it), and `xla_kn_norm` / `xla_kn_norm_apart` (RMSNorm of x before the
+product, as a layer does, fusable into the GEMM or kept apart by a barrier). The copy rate is read + write of an
+elementwise pass; a read-only stream runs faster, so a product can show more than 100%. XLA flags are per process:
+run the script again under XLA_FLAGS to compare them.
 """
 
 from __future__ import annotations
@@ -88,15 +89,10 @@ def _xla_split_k(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
     return split_k_product(x, w, splits)
 
 
-def candidate(name: str) -> tuple[Callable[..., jax.Array], bool]:
-    """name -> (product, weight stored [N, K])."""
-    return CANDIDATES[name]
-
-
 CANDIDATES: dict[str, tuple[Callable[..., jax.Array], bool]] = {  # name -> (product, weight stored [N, K])
     "xla_split_k2": (lambda x, w: _xla_split_k(x, w, 2), False),
     "xla_split_k4": (lambda x, w: _xla_split_k(x, w, 4), False),
-    # The engine's decode q/k/v before the norm kernel: the RMSNorm, then the product split 4 ways.
+    # The engine's decode q/k/v on a GPU with the attention norm before it: the RMSNorm, then the product split 4 ways.
     "xla_split_k4_norm": (lambda x, w: _xla_split_k(_rms_norm(x), w, 4), False),
     "xla_kn": (_xla_kn, False), "xla_nk": (_xla_nk, True), "gmm_cols": (_gmm_cols, False),
     "xla_kn_norm": (_xla_kn_norm, False), "xla_kn_norm_apart": (_xla_kn_norm_apart, False),
@@ -143,7 +139,7 @@ def main() -> None:
             continue
         for m in args.rows:
             for cand in args.candidates:
-                fn, transposed = candidate(cand)
+                fn, transposed = CANDIDATES[cand]
                 try:
                     s = time_product(fn, m, k, n, transposed)
                 except Exception as e:  # noqa: BLE001 - a candidate that cannot take the shape is reported
