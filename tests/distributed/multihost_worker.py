@@ -28,7 +28,9 @@ def batch_job(out_dir: Path, cases: list[dict]) -> Path:
     if distributed.is_writer():
         rows = [{"id": i, "prompt": c["prompt_ids"]} for i, c in enumerate(cases)]
         (out_dir / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-        engine = {k: v for k, v in ENGINE.items() if k != "use_tqdm"}
+        # Without warmup: the Python API's engine above warms up over the two processes; the job's point is that
+        # process 0 alone writes, and its engine compiles only the programs these two cases run.
+        engine = {**{k: v for k, v in ENGINE.items() if k != "use_tqdm"}, "warmup": False}
         sampling = {"max_tokens": NEW, "min_tokens": NEW, "temperature": 0.0, "ignore_eos": True,
                     "stop_token_ids": cases[0]["suppressed_token_ids"]}
         job.write_text(yaml.safe_dump({"model": "gemma3-270m", "engine": engine, "sampling": sampling,
