@@ -48,7 +48,7 @@ def test_ngram_on_a_copying_prompt_accepts_nearly_everything_with_identical_outp
     nearly every proposal is accepted. How much faster that is belongs to the benchmark (scripts/bench_spec.py
     measured 2.96x on 2 CPU cores), not to a timed test. Plain decoding is the same engine's with the request
     opted out (SamplingParams.speculative=False, which tests/engine/test_speculative.py holds equal to a plain
-    engine's): a second engine of the real model only for the baseline cost this test ~25 s of compiling."""
+    engine's): a second engine of the real model only for the baseline cost this test ~30 s alone."""
     from jaxinfer import SamplingParams
     from jaxinfer.bench.spec import copy_prompt
 
