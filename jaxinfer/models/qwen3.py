@@ -55,6 +55,7 @@ from jaxinfer.models.fused import FusedColumns
 from jaxinfer.models.moe import MoEFn, MoEWeights, moe_block, moe_specs, valid_tokens
 from jaxinfer.params import Init, ParamSpec
 from jaxinfer.sharding import Logical as L
+from pallas_kernels import moe_routing
 
 @struct.dataclass
 class DenseMLP:
@@ -160,11 +161,9 @@ QKV_SPLIT_K_MAX_IN = 2048
 
 
 def split_k_product(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
-    """x [T, K] @ w [K, N] as `splits` float32 partial products over slices of K, summed: [T, N] in x.dtype."""
-    t, k = x.shape
-    xs = x.reshape(t, splits, k // splits)  # [T, S, K/S]
-    ws = w.reshape(splits, k // splits, w.shape[1])  # [S, K/S, N]
-    parts = jnp.einsum("tsk,skn->stn", xs, ws, preferred_element_type=jnp.float32)  # [S, T, N]
+    """x [T, K] @ w [K, N] as `splits` float32 partial products over slices of K, summed: [T, N] in x.dtype. The
+    partials are the MoE router's split product (any [K, N] weight takes it)."""
+    parts = moe_routing.split_router_logits(x, w, splits)  # [S, T, N] float32
     return parts.sum(axis=0).astype(x.dtype)  # [T, N]
 
 
