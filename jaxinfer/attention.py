@@ -25,6 +25,13 @@ A quantized cache (int8 / fp8 KV) is a `QuantizedPages` per layer, values [P, R,
 scales [P, K, R], both split by head; the write quantizes (jaxinfer.models.common.write_kv) and the
 kernels dequantize as they read. Queries, keys and values are rotated into the basis of `kv_rotation` first
 and the output rotated back, per device (a head's H is never split).
+
+On a CPU the attention proper (after the write) is a computation of its own in the compiled program, called by
+every layer, instead of being inlined 30 times: XLA:CPU's compile time grows with the inlined program (its HLO
+passes and LLVM code generation), and the attention's gathers and loops are much of a layer's code. The write stays
+inline, since a called computation that updated the cache in place would get a copy of the whole cache on every
+call (XLA aliases a callee's parameters with nothing). The bundled SmolLM2's engine compiled its programs in 26-27 s
+instead of 34-42, and decoded as fast (docs/PERFORMANCE.md, "CPU"). GPUs and TPUs keep the attention inlined.
 """
 
 from __future__ import annotations
@@ -44,6 +51,19 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention, resolv
 from pallas_kernels.ragged_paged_attention.reference import QuantizedPages
 
 SEQ = "seq"
+
+# The attention's static settings (ragged_paged_attention's keyword arguments), for `_attend_apart`.
+_ATTEND_STATIC = ("sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale", "impl", "interpret",
+                  "one_token_per_seq")
+# XLA_LATE keeps the call through XLA:CPU's optimizations, so each layer's call site shares the callee (see the
+# module docstring); the default would inline it before XLA optimizes.
+_attend_apart = jax.jit(ragged_paged_attention, static_argnames=_ATTEND_STATIC, inline=jax.Inline.XLA_LATE)
+
+
+def attention_apart(mesh: Mesh | None) -> bool:
+    """Whether the attention is its own computation in the compiled program: on a CPU (module docstring)."""
+    platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+    return platform == "cpu"
 
 
 def attention_scale(cfg: ModelConfig) -> float:
@@ -75,19 +95,22 @@ def _rotate(x: jax.Array, rotation: np.ndarray) -> jax.Array:
 
 def _write_and_attend(
     q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata,
-    query_md: AttentionMetadata | None = None, *, impl: str, interpret: bool, sm_scale: float, **layer: Any,
+    query_md: AttentionMetadata | None = None, *, impl: str, interpret: bool, sm_scale: float, apart: bool,
+    **layer: Any,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One device's (or the whole unsharded) step: scatter k/v [T, K, H] into the pages, attend [Tq, N, H].
 
     `query_md` describes the queries when they are a slice of the step's tokens (sequence parallelism);
-    the writes always cover all of them (`md`)."""
+    the writes always cover all of them (`md`). `apart`: the attention as a called computation
+    (`attention_apart`)."""
     rotation = None
     if isinstance(k_pages, QuantizedPages):  # stored in a rotated basis: kv_rotation
         rotation = kv_rotation(q.shape[-1])
         q, k, v = _rotate(q, rotation), _rotate(k, rotation), _rotate(v, rotation)
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
     qmd = md if query_md is None else query_md
-    out = ragged_paged_attention(
+    attend = _attend_apart if apart else ragged_paged_attention
+    out = attend(
         q, k_pages, v_pages, qmd.kv_lens, qmd.page_indices, qmd.cu_q_lens, qmd.num_seqs,
         sm_scale=sm_scale, impl=impl, interpret=interpret, **layer,
     )
@@ -161,10 +184,11 @@ def make_attention_fn(
     """The per-layer attention the model calls; sharded over `mesh`'s model and seq axes when it has them."""
     resolve_impl(impl)  # validate only: "auto" is resolved per call, where the kernel can fall back
     sm_scale = extra.pop("sm_scale", attention_scale(cfg))
-    local = functools.partial(_write_and_attend, impl=impl, interpret=interpret, sm_scale=sm_scale, **extra)
+    local = functools.partial(_write_and_attend, impl=impl, interpret=interpret, sm_scale=sm_scale,
+                              apart=attention_apart(mesh), **extra)
     if mesh is None or (attention_parallel_size(cfg, mesh) == 1 and axis_size(mesh, SEQ) == 1):
         return local
     return _sharded(local, mesh, cfg)
 
 
-__all__ = ["AttentionFn", "attention_scale", "kv_rotation", "local_query_metadata", "make_attention_fn"]
+__all__ = ["AttentionFn", "attention_apart", "attention_scale", "kv_rotation", "local_query_metadata", "make_attention_fn"]

@@ -58,7 +58,8 @@ def layer_program(body: Callable[..., Any], **bound: Any) -> Callable[..., Any]:
     jax.jit's trace cache, and the lowering emits one function that every call site shares, so a forward
     traces each kind of layer once (tests/models/test_layer_program.py). XLA inlines the calls before it
     optimizes, so the fusions and in-place cache updates are those of the unrolled loop
-    (tests/engine/test_no_copies.py holds the updates in place).
+    (tests/engine/test_no_copies.py holds the updates in place); on a CPU the attention inside stays a called
+    computation (jaxinfer.attention).
     Make one per forward: the bound callables are not hashable, and a fresh jit keeps nothing alive."""
     return jax.jit(functools.partial(body, **bound))
 
