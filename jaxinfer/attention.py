@@ -37,6 +37,7 @@ instead of 34-42, and decoded as fast (docs/PERFORMANCE.md, "CPU"). GPUs and TPU
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -55,15 +56,24 @@ SEQ = "seq"
 # The attention's static settings (ragged_paged_attention's keyword arguments), for `_attend_apart`.
 _ATTEND_STATIC = ("sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale", "impl", "interpret",
                   "one_token_per_seq")
-# XLA_LATE keeps the call through XLA:CPU's optimizations, so each layer's call site shares the callee (see the
-# module docstring); the default would inline it before XLA optimizes.
-_attend_apart = jax.jit(ragged_paged_attention, static_argnames=_ATTEND_STATIC, inline=jax.Inline.XLA_LATE)
 
 
 def attention_apart(mesh: Mesh | None) -> bool:
     """Whether the attention is its own computation in the compiled program: on a CPU (module docstring)."""
     platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
     return platform == "cpu"
+
+
+def _attend(*args: Any, **static: Any) -> jax.Array:
+    return ragged_paged_attention(*args, **static)  # the module's name, looked up when traced
+
+
+def _attend_apart() -> Callable[..., jax.Array]:
+    """`_attend` as a called computation. XLA_LATE keeps the call through XLA:CPU's optimizations, so every
+    layer's call site shares one callee (module docstring); the default would inline it before XLA optimizes.
+    One per attention function, as common.layer_program makes one per forward: a fresh partial, since jax.jit
+    keys its traces on the function, so no trace outlives the runner (or misses a patched kernel in a test)."""
+    return jax.jit(functools.partial(_attend), static_argnames=_ATTEND_STATIC, inline=jax.Inline.XLA_LATE)
 
 
 def attention_scale(cfg: ModelConfig) -> float:
@@ -95,21 +105,19 @@ def _rotate(x: jax.Array, rotation: np.ndarray) -> jax.Array:
 
 def _write_and_attend(
     q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata,
-    query_md: AttentionMetadata | None = None, *, impl: str, interpret: bool, sm_scale: float, apart: bool,
-    **layer: Any,
+    query_md: AttentionMetadata | None = None, *, impl: str, interpret: bool, sm_scale: float,
+    attend: Callable[..., jax.Array], **layer: Any,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One device's (or the whole unsharded) step: scatter k/v [T, K, H] into the pages, attend [Tq, N, H].
 
     `query_md` describes the queries when they are a slice of the step's tokens (sequence parallelism);
-    the writes always cover all of them (`md`). `apart`: the attention as a called computation
-    (`attention_apart`)."""
+    the writes always cover all of them (`md`). `attend`: `_attend`, or on a CPU `_attend_apart()`."""
     rotation = None
     if isinstance(k_pages, QuantizedPages):  # stored in a rotated basis: kv_rotation
         rotation = kv_rotation(q.shape[-1])
         q, k, v = _rotate(q, rotation), _rotate(k, rotation), _rotate(v, rotation)
     k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
     qmd = md if query_md is None else query_md
-    attend = _attend_apart if apart else ragged_paged_attention
     out = attend(
         q, k_pages, v_pages, qmd.kv_lens, qmd.page_indices, qmd.cu_q_lens, qmd.num_seqs,
         sm_scale=sm_scale, impl=impl, interpret=interpret, **layer,
@@ -185,7 +193,7 @@ def make_attention_fn(
     resolve_impl(impl)  # validate only: "auto" is resolved per call, where the kernel can fall back
     sm_scale = extra.pop("sm_scale", attention_scale(cfg))
     local = functools.partial(_write_and_attend, impl=impl, interpret=interpret, sm_scale=sm_scale,
-                              apart=attention_apart(mesh), **extra)
+                              attend=_attend_apart() if attention_apart(mesh) else _attend, **extra)
     if mesh is None or (attention_parallel_size(cfg, mesh) == 1 and axis_size(mesh, SEQ) == 1):
         return local
     return _sharded(local, mesh, cfg)
