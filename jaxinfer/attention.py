@@ -29,9 +29,10 @@ and the output rotated back, per device (a head's H is never split).
 On a CPU the attention proper (after the write) is a computation of its own in the compiled program, called by
 every layer, instead of being inlined 30 times: XLA:CPU's compile time grows with the inlined program (its HLO
 passes and LLVM code generation), and the attention's gathers and loops are much of a layer's code. The write stays
-inline, since a called computation that updated the cache in place would get a copy of the whole cache on every
-call (XLA aliases a callee's parameters with nothing). The bundled SmolLM2's engine compiled its programs in 26-27 s
-instead of 34-42, and decoded as fast (docs/PERFORMANCE.md, "CPU"). GPUs and TPUs keep the attention inlined.
+inline: XLA's copy insertion does not let a callee update its caller's buffer in place, so a called computation
+that wrote the cache would copy the whole cache layer on every call. The bundled SmolLM2's engine compiled its
+programs in 26-28 s instead of 34-47, and decoded as fast (docs/PERFORMANCE.md, "CPU"). GPUs and TPUs keep the
+attention inlined.
 """
 
 from __future__ import annotations
