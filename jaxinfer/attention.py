@@ -38,6 +38,7 @@ attention inlined.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
@@ -54,9 +55,9 @@ from pallas_kernels.ragged_paged_attention.reference import QuantizedPages
 
 SEQ = "seq"
 
-# The attention's static settings (ragged_paged_attention's keyword arguments), for `_attend_apart`.
-_ATTEND_STATIC = ("sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale", "impl", "interpret",
-                  "one_token_per_seq")
+# The attention's static settings, for `_attend_apart`: ragged_paged_attention's keyword-only arguments.
+_ATTEND_STATIC = tuple(name for name, p in inspect.signature(ragged_paged_attention).parameters.items()
+                       if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 def attention_apart(mesh: Mesh | None) -> bool:
