@@ -108,17 +108,20 @@ def _rotate(x: jax.Array, rotation: np.ndarray) -> jax.Array:
 def _write_and_attend(
     q: jax.Array, k: jax.Array, v: jax.Array, k_pages: jax.Array, v_pages: jax.Array, md: AttentionMetadata,
     query_md: AttentionMetadata | None = None, *, impl: str, interpret: bool, sm_scale: float,
-    attend: Callable[..., jax.Array], **layer: Any,
+    attend: Callable[..., jax.Array], written: bool = False, **layer: Any,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """One device's (or the whole unsharded) step: scatter k/v [T, K, H] into the pages, attend [Tq, N, H].
 
     `query_md` describes the queries when they are a slice of the step's tokens (sequence parallelism);
-    the writes always cover all of them (`md`). `attend`: `_attend`, or on a CPU `_attend_apart()`."""
+    the writes always cover all of them (`md`). `attend`: `_attend`, or on a CPU `_attend_apart()`.
+    `written`: the model has already written this step's keys and values into the (plain) pages, and passes
+    k = v = None (`takes_written`)."""
     rotation = None
     if isinstance(k_pages, QuantizedPages):  # stored in a rotated basis: kv_rotation
         rotation = kv_rotation(q.shape[-1])
         q, k, v = _rotate(q, rotation), _rotate(k, rotation), _rotate(v, rotation)
-    k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
+    if not written:
+        k_pages, v_pages = write_kv(k_pages, v_pages, k, v, md.slot_mapping)
     qmd = md if query_md is None else query_md
     out = attend(
         q, k_pages, v_pages, qmd.kv_lens, qmd.page_indices, qmd.cu_q_lens, qmd.num_seqs,
@@ -197,6 +200,7 @@ def make_attention_fn(
     local = functools.partial(_write_and_attend, impl=impl, interpret=interpret, sm_scale=sm_scale,
                               attend=_attend_apart() if attention_apart(mesh) else _attend, **extra)
     if mesh is None or (attention_parallel_size(cfg, mesh) == 1 and axis_size(mesh, SEQ) == 1):
+        local.takes_written = True  # one device's whole step: `written=True` may skip the write (models.common)
         return local
     return _sharded(local, mesh, cfg)
 

@@ -117,7 +117,7 @@ def _kernel_write_kv(k_pages: Any, v_pages: Any, k: jax.Array, v: jax.Array, slo
 def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = True, splits: bool = True,
            weighted: bool = True, attention_splits: int | None = None, merge: bool = True,
            kv_kernel: bool = False, qkv_split_k: int = 0, pad_rows: bool | None = True,
-           o_split_k: int = 0, routing_warps: int = 4, merge_warps: int = 4) -> None:
+           o_split_k: int = 0, routing_warps: int = 4, merge_warps: int = 4, norm_rope_write: bool = False) -> None:
     """The tree's code with the named pieces (False) put back as they were before this script's sessions, or with
     a combine it tried ("slices", "s_then_k"), or the attention's split count forced."""
     from jaxinfer.models import moe, qwen3
@@ -125,6 +125,9 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
     # The joined q/k/v product of decode-sized steps with K split this many ways (qwen3.QKV_SPLIT_K, 4 in the tree
     # since the 29th session; 0, the default here, is the one product of the variants before it).
     qwen3.QKV_SPLIT_K = qkv_split_k
+    # QK-norm, RoPE and the K and V writes of decode steps as one kernel (qwen3.NORM_ROPE_WRITE, on in the tree since
+    # the 32nd session), or XLA's four kernels (False, the default here: every variant before it).
+    qwen3.NORM_ROPE_WRITE = "gpu" if norm_rope_write else None
     if routing_warps != 4 or merge_warps != 4:  # the two Pallas Triton kernels' warps, each re-jitted to trace anew
         from pallas_kernels import moe_routing
         from pallas_kernels.ragged_paged_attention import decode_merge
@@ -180,6 +183,8 @@ VARIANTS: dict[str, Callable[[Any], None]] = {
     "qkv_split2": functools.partial(_patch, qkv_split_k=2),
     # The tree since the 30th session: "qkv_split", and the expert kernel's x of a 2-row bucket not padded to 8 rows.
     "nopad": functools.partial(_patch, qkv_split_k=4, pad_rows=None),
+    # The tree since the 32nd session: "nopad", and QK-norm, RoPE and the KV write of decode steps in one kernel.
+    "nrw": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True),
     # "nopad" with the output projection split over K (no gain: 3.222 and 3.251 against 3.175 / 3.199 ms; 30th).
     "o_split4": functools.partial(_patch, qkv_split_k=4, pad_rows=None, o_split_k=4),
     "o_split2": functools.partial(_patch, qkv_split_k=4, pad_rows=None, o_split_k=2),
@@ -240,7 +245,7 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
 
     saved = (moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv,
              qwen3.QKV_SPLIT_K, qwen3.output_projection, moe_routing._pallas_gpu, moe_routing.NUM_WARPS,
-             decode_merge.merge_decode_splits, decode_merge.NUM_WARPS)
+             decode_merge.merge_decode_splits, decode_merge.NUM_WARPS, qwen3.NORM_ROPE_WRITE)
     _SAVED_ATTENTION[:] = [attention_gpu.ragged_paged_attention]
     VARIANTS[name](runner)
     args, branch_free, ids = decode_args(llm, ctx, engine.decode_steps_per_call)
@@ -285,7 +290,7 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
     runner.moe_fn = saved_moe_fn  # every variant starts from the tree's code
     (moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv,
      qwen3.QKV_SPLIT_K, qwen3.output_projection, moe_routing._pallas_gpu, moe_routing.NUM_WARPS,
-     decode_merge.merge_decode_splits, decode_merge.NUM_WARPS) = saved
+     decode_merge.merge_decode_splits, decode_merge.NUM_WARPS, qwen3.NORM_ROPE_WRITE) = saved
     attention_gpu.ragged_paged_attention = _SAVED_ATTENTION[0]
     return {"variant": name, "ms_per_iteration": ms_iter, "compile_s": compile_s, "source": source,
             "launches_per_iteration": launches, "kernel_ms_per_iteration": kernel_ms, "first_tokens": tokens[0],

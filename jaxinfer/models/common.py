@@ -48,6 +48,12 @@ class AttentionMetadata:
 AttentionFn = Callable[..., tuple[jax.Array, jax.Array, jax.Array]]
 
 
+def takes_written(attn_fn: AttentionFn) -> bool:
+    """Whether `attn_fn` runs one device's whole step, so that a model may write the step's keys and values into
+    the pages itself and call it with k = v = None and `written=True` (jaxinfer.attention.make_attention_fn)."""
+    return getattr(attn_fn, "takes_written", False)
+
+
 def layer_program(body: Callable[..., Any], **bound: Any) -> Callable[..., Any]:
     """One decoder layer (`body` with `bound` fixed: config, attention and linear functions) as a jitted
     function that a forward calls once per layer.
