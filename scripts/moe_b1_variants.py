@@ -120,14 +120,14 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
            o_split_k: int = 0, routing_warps: int = 4, merge_warps: int = 4, norm_rope_write: bool = False) -> None:
     """The tree's code with the named pieces (False) put back as they were before this script's sessions, or with
     a combine it tried ("slices", "s_then_k"), or the attention's split count forced."""
-    from jaxinfer.models import moe, qwen3
+    from jaxinfer.models import common, moe, qwen3
 
     # The joined q/k/v product of decode-sized steps with K split this many ways (qwen3.QKV_SPLIT_K, 4 in the tree
     # since the 29th session; 0, the default here, is the one product of the variants before it).
     qwen3.QKV_SPLIT_K = qkv_split_k
-    # QK-norm, RoPE and the K and V writes of decode steps as one kernel (qwen3.NORM_ROPE_WRITE, on in the tree since
+    # QK-norm, RoPE and the K and V writes of decode steps as one kernel (common.NORM_ROPE_WRITE, on in the tree since
     # the 32nd session), or XLA's four kernels (False, the default here: every variant before it).
-    qwen3.NORM_ROPE_WRITE = "gpu" if norm_rope_write else None
+    common.NORM_ROPE_WRITE = "gpu" if norm_rope_write else None
     if routing_warps != 4 or merge_warps != 4:  # the two Pallas Triton kernels' warps, each re-jitted to trace anew
         from pallas_kernels import moe_routing
         from pallas_kernels.ragged_paged_attention import decode_merge
@@ -152,7 +152,7 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
         _pair_kernel(runner, swiglu_weighted=False)
     # The expert kernel's x padded to a multiple of 8 rows always (True: the tree before the 30th session), or only
     # where Mosaic's TMA tiling needs it (None: the tree since; a 2-row bucket's x goes as it is).
-    pk = runner.moe_fn.keywords["pair_kernel"]
+    pk = runner.moe_fn.keywords["pair_kernel"] if runner.moe_fn is not None else None  # None: a dense model
     if pk is not None and pk.swiglu is not None:
         _pair_kernel(runner, swiglu=functools.partial(pk.swiglu, pad_rows=pad_rows))
     if kv_kernel:  # K and V written by the kv_write kernel, not two scatters
@@ -234,7 +234,7 @@ def decode_args(llm: LLM, ctx: int, steps: int) -> tuple[Any, Any, list[int]]:
 def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) -> dict[str, Any]:
     engine, runner = llm.engine, llm.engine.runner
     saved_moe_fn = runner.moe_fn
-    from jaxinfer.models import moe, qwen3
+    from jaxinfer.models import common, moe, qwen3
 
     from pallas_kernels.ragged_paged_attention import decode_merge
     from pallas_kernels.ragged_paged_attention import gpu as attention_gpu
@@ -245,7 +245,7 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
 
     saved = (moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv,
              qwen3.QKV_SPLIT_K, qwen3.output_projection, moe_routing._pallas_gpu, moe_routing.NUM_WARPS,
-             decode_merge.merge_decode_splits, decode_merge.NUM_WARPS, qwen3.NORM_ROPE_WRITE)
+             decode_merge.merge_decode_splits, decode_merge.NUM_WARPS, common.NORM_ROPE_WRITE)
     _SAVED_ATTENTION[:] = [attention_gpu.ragged_paged_attention]
     VARIANTS[name](runner)
     args, branch_free, ids = decode_args(llm, ctx, engine.decode_steps_per_call)
@@ -290,7 +290,7 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
     runner.moe_fn = saved_moe_fn  # every variant starts from the tree's code
     (moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv,
      qwen3.QKV_SPLIT_K, qwen3.output_projection, moe_routing._pallas_gpu, moe_routing.NUM_WARPS,
-     decode_merge.merge_decode_splits, decode_merge.NUM_WARPS, qwen3.NORM_ROPE_WRITE) = saved
+     decode_merge.merge_decode_splits, decode_merge.NUM_WARPS, common.NORM_ROPE_WRITE) = saved
     attention_gpu.ragged_paged_attention = _SAVED_ATTENTION[0]
     return {"variant": name, "ms_per_iteration": ms_iter, "compile_s": compile_s, "source": source,
             "launches_per_iteration": launches, "kernel_ms_per_iteration": kernel_ms, "first_tokens": tokens[0],

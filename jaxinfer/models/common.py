@@ -20,6 +20,7 @@ from jaxinfer.config import ConfigError, ModelConfig, RopeScaling
 from jaxinfer.linear import DEFAULT_LINEAR, Linear, is_quantized
 from jaxinfer.models.fused import FusedColumns, split_outputs
 from jaxinfer.sharding import Logical
+from pallas_kernels.ragged_paged_attention import norm_rope_write
 from pallas_kernels.ragged_paged_attention.reference import QuantizedPages, quantize_kv
 
 # ModelConfig fields that only some families read; a family refuses the ones it would ignore.
@@ -52,6 +53,34 @@ def takes_written(attn_fn: AttentionFn) -> bool:
     """Whether `attn_fn` runs one device's whole step, so that a model may write the step's keys and values into
     the pages itself and call it with k = v = None and `written=True` (jaxinfer.attention.make_attention_fn)."""
     return getattr(attn_fn, "takes_written", False)
+
+
+# Decode-sized steps on a GPU rotate (Qwen3: norm and rotate) q and k and write k and v into the cache in one kernel
+# (pallas_kernels/ragged_paged_attention/norm_rope_write.py says why). "interpret": that kernel interpreted, on any
+# backend (tests); None: never (XLA's path).
+NORM_ROPE_WRITE: str | None = "gpu"
+
+
+def takes_norm_rope_write(wq: Any, x: jax.Array, k_pages: Any, attn_fn: AttentionFn, head_dim: int) -> bool:
+    """The kernel serves float q/k/v weights joined at load on one device (`wq` a FusedColumns, N unsplit) whose
+    attention runs the whole step (`takes_written`), a plain cache of the activations' dtype, and its shapes."""
+    if NORM_ROPE_WRITE is None or (NORM_ROPE_WRITE == "gpu" and jax.default_backend() != "gpu"):
+        return False
+    return (isinstance(wq, FusedColumns) and wq.shards == 1 and not is_quantized(wq.w) and takes_written(attn_fn)
+            and getattr(k_pages, "dtype", None) == x.dtype
+            and norm_rope_write.takes(k_pages, x.shape[0], wq.widths[0] // head_dim))
+
+
+def norm_rope_attention(parts: jax.Array, wq: FusedColumns, q_norm: jax.Array | None, k_norm: jax.Array | None,
+                        eps: float | None, md: AttentionMetadata, inv_freq: jax.Array, k_pages: jax.Array,
+                        v_pages: jax.Array, attn_fn: AttentionFn) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """The joined product's partials `parts` [S, T, (N + 2K) * H] -> (attention out [T, N, H], k_pages, v_pages)
+    through the norm_rope_write kernel, where `takes_norm_rope_write` said so; eps None: no QK-norm."""
+    head_dim = 2 * inv_freq.shape[0]
+    q, k_pages, v_pages = norm_rope_write.norm_rope_write(
+        parts, q_norm, k_norm, md.positions, inv_freq, md.slot_mapping, k_pages, v_pages,
+        num_q_heads=wq.widths[0] // head_dim, eps=eps, interpret=NORM_ROPE_WRITE == "interpret")  # q [T, N, H]
+    return attn_fn(q, None, None, k_pages, v_pages, md, written=True)  # k and v are in the pages already
 
 
 def layer_program(body: Callable[..., Any], **bound: Any) -> Callable[..., Any]:

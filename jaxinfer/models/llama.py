@@ -25,10 +25,13 @@ from jaxinfer.models.common import (
     embed_lookup,
     gated_mlp,
     head_projections,
+    joined_projection,
     layer_program,
+    norm_rope_attention,
     output_projection,
     rms_norm,
     rope_inv_freq,
+    takes_norm_rope_write,
     vocab_logits,
 )
 from jaxinfer.params import Init, ParamSpec
@@ -107,7 +110,13 @@ def attention_block(
     linear: Linear = DEFAULT_LINEAR,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     # RoPE rotates the whole head here, so H = 2 x the frequencies (a quantized weight's heads are flat).
-    q, k, v = head_projections(x, layer.wq, layer.wk, layer.wv, 2 * inv_freq.shape[0], linear)  # [T, N|K, H]
+    head_dim = 2 * inv_freq.shape[0]
+    if takes_norm_rope_write(layer.wq, x, k_pages, attn_fn, head_dim):  # GPU decode: rotate and write in one kernel
+        parts = joined_projection(x, layer.wq, L.Q_HEADS, linear, split=False)[None]  # [1, T, (N + 2K) * H]
+        attn, k_pages, v_pages = norm_rope_attention(parts, layer.wq, None, None, None, md, inv_freq, k_pages,
+                                                     v_pages, attn_fn)
+        return output_projection(attn, layer.wo, linear), k_pages, v_pages  # [T, D]
+    q, k, v = head_projections(x, layer.wq, layer.wk, layer.wv, head_dim, linear)  # [T, N|K, H]
     q = apply_rope(q, md.positions, inv_freq)
     k = apply_rope(k, md.positions, inv_freq)
     attn, k_pages, v_pages = attn_fn(q, k, v, k_pages, v_pages, md)  # [T, N, H]

@@ -49,15 +49,15 @@ from jaxinfer.models.common import (
     refuse_fields,
     require_fields,
     rms_norm,
+    norm_rope_attention,
     rope_inv_freq,
-    takes_written,
+    takes_norm_rope_write,
 )
 from jaxinfer.models.fused import FusedColumns
 from jaxinfer.models.moe import MoEFn, MoEWeights, moe_block, moe_specs, valid_tokens
 from jaxinfer.params import Init, ParamSpec
 from jaxinfer.sharding import Logical as L
 from pallas_kernels import moe_routing
-from pallas_kernels.ragged_paged_attention import norm_rope_write
 
 @struct.dataclass
 class DenseMLP:
@@ -206,23 +206,6 @@ def normed_qkv(layer: Qwen3Layer, x: jax.Array, eps: float,
     return qk[:, :n], qk[:, n:], y[:, (n + kv) * head_dim:].reshape(t, kv, head_dim)
 
 
-# Decode-sized steps on a GPU norm and rotate q and k and write k and v into the cache in one kernel
-# (pallas_kernels/ragged_paged_attention/norm_rope_write.py says why). "interpret": that kernel interpreted, on any
-# backend (tests); None: never (XLA's path).
-NORM_ROPE_WRITE: str | None = "gpu"
-
-
-def _takes_norm_rope_write(layer: Qwen3Layer, x: jax.Array, k_pages: Any, attn_fn: AttentionFn) -> bool:
-    """The kernel serves q/k/v joined at load on one device whose attention runs the whole step (no mesh axis
-    splits it), a plain cache of the activations' dtype, and the kernel's shapes (`norm_rope_write.takes`)."""
-    wq = layer.wq
-    if NORM_ROPE_WRITE is None or (NORM_ROPE_WRITE == "gpu" and jax.default_backend() != "gpu"):
-        return False
-    return (isinstance(wq, FusedColumns) and wq.shards == 1 and not is_quantized(wq.w) and takes_written(attn_fn)
-            and getattr(k_pages, "dtype", None) == x.dtype
-            and norm_rope_write.takes(k_pages, x.shape[0], wq.widths[0] // layer.q_norm.shape[0]))
-
-
 def _qkv_parts(x: jax.Array, wq: FusedColumns, linear: Linear) -> jax.Array:
     """x [T, D] -> the joined q/k/v product as partials [S, T, (N + 2K) * H] for the kernel to sum: normed_qkv's
     split product unsummed (float32), or S = 1, the one product in x's dtype."""
@@ -242,13 +225,10 @@ def attention_block(
     attn_fn: AttentionFn,
     linear: Linear = DEFAULT_LINEAR,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    if _takes_norm_rope_write(layer, x, k_pages, attn_fn):
-        q, k_pages, v_pages = norm_rope_write.norm_rope_write(
-            _qkv_parts(x, layer.wq, linear), layer.q_norm, layer.k_norm, md.positions, inv_freq, md.slot_mapping,
-            k_pages, v_pages, num_q_heads=layer.wq.widths[0] // layer.q_norm.shape[0], eps=eps,
-            interpret=NORM_ROPE_WRITE == "interpret")  # q [T, N, H] normed and rotated; k and v in the pages
-        attn, k_pages, v_pages = attn_fn(q, None, None, k_pages, v_pages, md, written=True)  # [T, N, H]
-        return output_projection(attn, layer.wo, linear), k_pages, v_pages
+    if takes_norm_rope_write(layer.wq, x, k_pages, attn_fn, layer.q_norm.shape[0]):  # decode on a GPU: one kernel
+        attn, k_pages, v_pages = norm_rope_attention(_qkv_parts(x, layer.wq, linear), layer.wq, layer.q_norm,
+                                                     layer.k_norm, eps, md, inv_freq, k_pages, v_pages, attn_fn)
+        return output_projection(attn, layer.wo, linear), k_pages, v_pages  # [T, D]
     q, k, v = normed_qkv(layer, x, eps, linear)  # [T, N|K, H], q and k normed over H per head
     q = apply_rope(q, md.positions, inv_freq)
     k = apply_rope(k, md.positions, inv_freq)

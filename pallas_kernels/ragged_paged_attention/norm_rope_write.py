@@ -1,18 +1,18 @@
 """A decode step's q/k heads normed and rotated, and its keys and values written into their cache pages, in one
-Pallas Triton kernel (Qwen3's attention on a GPU).
+Pallas Triton kernel (Qwen3's attention on a GPU; Llama's, without the norm).
 
     q [T, N, H], k_pages, v_pages = norm_rope_write(parts [S, T, (N + 2K) * H], q_norm [H], k_norm [H],
                                                     positions [T], inv_freq [H/2], slot_mapping [T],
                                                     k_pages [P, R, K, H], v_pages, num_q_heads=N, eps=eps)
 
 `parts` is the joined q/k/v product (q heads, then k heads, then v heads) as S float32 partial products over slices
-of the model dimension (qwen3.split_k_product), or S = 1 whole product. For token t the kernel computes what
-qwen3's XLA path does, in float32 from the partials to the rounding of its outputs to the pages' dtype: the
-partials summed; each q and k head RMSNormed with its weight; RoPE (rotate-half, angles positions[t] * inv_freq);
-then k's and v's [K, H] rows stored at (page, offset) = divmod(slot_mapping[t], R) of the aliased pages, and q's
-[N, H] returned. XLA:GPU keeps that excess precision too (it drops a round trip through bf16 between fusions), so
-on a GPU the kernel rounds where XLA's path does; XLA:CPU rounds between the steps as the code is written, a bf16
-ulp apart at most. Padding tokens carry slots in the trash page 0, whose rows nobody reads.
+of the model dimension (qwen3.split_k_product), or S = 1 whole product. For token t the kernel computes what the
+models' XLA path does, in float32 from the partials to the rounding of its outputs to the pages' dtype: the partials
+summed; each q and k head RMSNormed with its weight (`eps=None`: no norm, for Llama); RoPE (rotate-half, angles
+positions[t] * inv_freq); then k's and v's [K, H] rows stored at (page, offset) = divmod(slot_mapping[t], R) of the
+aliased pages, and q's [N, H] returned. XLA:GPU keeps that excess precision too (it drops a round trip through bf16
+between fusions), so on a GPU the kernel rounds where XLA's path does; XLA:CPU rounds between the steps as the code
+is written, a few bf16 ulps apart. Padding tokens carry slots in the trash page 0, whose rows nobody reads.
 
 Why a kernel: in Qwen3-30B-A3B's batch-1 decode loop on an H200, XLA ran this as four launches a layer, each moving a
 few KB (the joined QK-norm with the partials' sum, q's RoPE, the K write with k's RoPE, the V write: ~1.5 + 1.0 +
@@ -48,7 +48,7 @@ def takes(pages: jax.Array | jax.ShapeDtypeStruct, num_tokens: int, num_q_heads:
 
 
 def _kernel(pos_ref, slots_ref, parts_ref, qw_ref, kw_ref, freq_ref, k_in, v_in, q_out, k_out, v_out, *,
-            num_splits: int, n: int, kv: int, half: int, eps: float, page_size: int):
+            num_splits: int, n: int, kv: int, half: int, eps: float | None, page_size: int):
     # One program per (token t, head h of the product's N + 2K): pos_ref, slots_ref [T] i32; parts_ref
     # [S, T, N + 2K, H]; qw_ref, kw_ref [H]; freq_ref [H/2] f32; k_in, v_in: the caches, aliased to k_out, v_out
     # [P, R, K, H]; q_out [T, N, H]. Every program computes the norm and the rotation and stores only what its
@@ -67,10 +67,12 @@ def _kernel(pos_ref, slots_ref, parts_ref, qw_ref, kw_ref, freq_ref, k_in, v_in,
 
     a, b = summed(lo), summed(hi)  # the head's two halves [H/2]
     is_q, is_v = h < n, h >= n + kv
-    w_a = jnp.where(is_q, qw_ref[lo].astype(f32), kw_ref[lo].astype(f32))  # [H/2]
-    w_b = jnp.where(is_q, qw_ref[hi].astype(f32), kw_ref[hi].astype(f32))
-    inv = jax.lax.rsqrt((jnp.sum(a * a) + jnp.sum(b * b)) / (2 * half) + eps)
-    na, nb = a * inv * w_a, b * inv * w_b  # RMSNorm's output [H/2] each
+    na, nb = a, b
+    if eps is not None:  # QK-norm
+        w_a = jnp.where(is_q, qw_ref[lo].astype(f32), kw_ref[lo].astype(f32))  # [H/2]
+        w_b = jnp.where(is_q, qw_ref[hi].astype(f32), kw_ref[hi].astype(f32))
+        inv = jax.lax.rsqrt((jnp.sum(a * a) + jnp.sum(b * b)) / (2 * half) + eps)
+        na, nb = a * inv * w_a, b * inv * w_b  # RMSNorm's output [H/2] each
     angles = pos_ref[t].astype(f32) * freq_ref[...]  # [H/2]
     cos, sin = jnp.cos(angles), jnp.sin(angles)
     out_a = jnp.where(is_v, a, na * cos - nb * sin).astype(dtype)
@@ -88,11 +90,12 @@ def _kernel(pos_ref, slots_ref, parts_ref, qw_ref, kw_ref, freq_ref, k_in, v_in,
 
 
 @functools.partial(jax.jit, static_argnames=("num_q_heads", "eps", "interpret"))
-def norm_rope_write(parts: jax.Array, q_norm: jax.Array, k_norm: jax.Array, positions: jax.Array,
+def norm_rope_write(parts: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None, positions: jax.Array,
                     inv_freq: jax.Array, slot_mapping: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
-                    num_q_heads: int, eps: float, interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    num_q_heads: int, eps: float | None, interpret: bool = False,
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(q [T, N, H], k_pages, v_pages) for the joined product's partials `parts` [S, T, (N + 2K) * H] (module
-    docstring)."""
+    docstring). eps None: no QK-norm (q_norm and k_norm None), only the rotation and the write (Llama)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as plt
 
@@ -105,8 +108,11 @@ def norm_rope_write(parts: jax.Array, q_norm: jax.Array, k_norm: jax.Array, posi
                          f"most {MAX_TOKENS} tokens and a product of (N + 2K) * H columns; got pages "
                          f"{k_pages.shape} {k_pages.dtype}, {n} q heads, product {parts.shape}")
     heads = parts.reshape(num_splits, num_tokens, n + 2 * kv_heads, head_dim)  # [S, T, N + 2K, H]
+    if eps is None:  # the kernel reads no norm weight; its operands still need arrays
+        q_norm = k_norm = jnp.ones((head_dim,), k_pages.dtype)
     return pl.pallas_call(
-        functools.partial(_kernel, num_splits=num_splits, n=n, kv=kv_heads, half=head_dim // 2, eps=float(eps),
+        functools.partial(_kernel, num_splits=num_splits, n=n, kv=kv_heads, half=head_dim // 2,
+                          eps=None if eps is None else float(eps),
                           page_size=page_size),
         out_shape=(jax.ShapeDtypeStruct((num_tokens, n, head_dim), k_pages.dtype),
                    jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),

@@ -63,10 +63,10 @@ def _compiled(family, cfg, attention_impl: str, dtype=jnp.float32, single_step: 
 
 
 FAMILIES = {"llama": (LLAMA, tiny_config), "gemma3": (GEMMA3, tiny_gemma_config)}
-# On a GPU also Qwen3 with q/k/v joined at load, as the engine loads it on one device: its decode steps write the
-# cache from the norm_rope_write kernel (a custom call whose outputs alias the pages) in bfloat16.
-GPU_FAMILIES = {**FAMILIES, "qwen3": (QWEN3, tiny_qwen3_dense)}
-HOOKS = {"qwen3": fuse_projections}
+# On a GPU also Qwen3 and Llama with q/k/v joined at load, as the engine loads them on one device: their decode steps
+# write the cache from the norm_rope_write kernel (a custom call whose outputs alias the pages) in bfloat16.
+GPU_FAMILIES = {**FAMILIES, "qwen3": (QWEN3, tiny_qwen3_dense), "llama-joined": (LLAMA, tiny_config)}
+HOOKS = {"qwen3": fuse_projections, "llama-joined": fuse_projections}
 
 
 def _check(name: str, attention_impl: str, dtype=jnp.float32, **programs) -> None:

@@ -1,6 +1,6 @@
 """The decode step's QK-norm, RoPE and KV write as one kernel (norm_rope_write) against a float64 oracle on fresh
-random inputs: interpreted on any backend, compiled on a GPU; and a tiny Qwen3 dense and MoE model giving the same
-logits and cache with the kernel in its layers as with XLA's path (qwen3.normed_qkv, apply_rope, write_kv)."""
+random inputs: interpreted on any backend, compiled on a GPU; and tiny Qwen3 dense, Qwen3-MoE and Llama models giving
+the same logits and cache with the kernel in their layers as with XLA's path (normed_qkv, apply_rope, write_kv)."""
 
 from __future__ import annotations
 
@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
-from jaxinfer.models import QWEN3, QWEN3_MOE, qwen3
+from jaxinfer.models import LLAMA, QWEN3, QWEN3_MOE, common
 from jaxinfer.models.common import rope_inv_freq
 from jaxinfer.models.fused import fuse_projections
-from model_helpers import build_runner, rel_err, tiny_qwen3_dense, tiny_qwen3_moe
+from model_helpers import build_runner, rel_err, tiny_config, tiny_qwen3_dense, tiny_qwen3_moe
 from pallas_kernels.ragged_paged_attention.norm_rope_write import norm_rope_write, takes
 
 PAGES, PAGE_SIZE = 12, 4
@@ -103,8 +103,8 @@ def decode_logits(runner, ids: list[int]) -> tuple[np.ndarray, list[np.ndarray]]
 
 
 def check_model(monkeypatch, family, make_cfg, mode: str) -> None:
-    """A tiny bf16 Qwen3 (q/k/v joined at load, heads of powers of two) decoding in 3-token steps, with the
-    kernel in every layer (`mode`: qwen3.NORM_ROPE_WRITE) and with XLA's path: the same logits and cache within
+    """A tiny bf16 model (q/k/v joined at load, heads of powers of two) decoding in 3-token steps, with the
+    kernel in every layer (`mode`: common.NORM_ROPE_WRITE) and with XLA's path: the same logits and cache within
     bf16's rounding, and the kernel's logits no further from the same weights run in float32 than XLA's."""
     cfg = make_cfg(num_heads=4, num_kv_heads=2, head_dim=16)
     ids = list(np.random.default_rng(2).integers(0, cfg.vocab_size, 12))
@@ -114,14 +114,14 @@ def check_model(monkeypatch, family, make_cfg, mode: str) -> None:
         return build_runner(cfg, seed=3, family=family, weights_hook=hook, dtype=dtype, num_pages=8,
                             page_size=PAGE_SIZE)
 
-    monkeypatch.setattr(qwen3, "NORM_ROPE_WRITE", None)
+    monkeypatch.setattr(common, "NORM_ROPE_WRITE", None)
     xla = build()
     want, want_cache = decode_logits(xla, ids)
     exact, _ = decode_logits(build(jnp.float32, jax.tree.map(lambda a: a.astype(jnp.float32), xla.weights)), ids)
-    monkeypatch.setattr(qwen3, "NORM_ROPE_WRITE", mode)
+    monkeypatch.setattr(common, "NORM_ROPE_WRITE", mode)
     calls = []
-    kernel = qwen3.norm_rope_write.norm_rope_write
-    monkeypatch.setattr(qwen3.norm_rope_write, "norm_rope_write", lambda *a, **k: calls.append(1) or kernel(*a, **k))
+    kernel = common.norm_rope_write.norm_rope_write
+    monkeypatch.setattr(common.norm_rope_write, "norm_rope_write", lambda *a, **k: calls.append(1) or kernel(*a, **k))
     got, got_cache = decode_logits(build(), ids)  # a new runner: its programs trace anew
     assert calls, "the kernel was not called"
     assert rel_err(got, want) < 2e-2
@@ -130,7 +130,8 @@ def check_model(monkeypatch, family, make_cfg, mode: str) -> None:
     assert rel_err(got, exact) < 1.1 * rel_err(want, exact)
 
 
-FAMILIES = pytest.mark.parametrize("family, make_cfg", [(QWEN3, tiny_qwen3_dense), (QWEN3_MOE, tiny_qwen3_moe)])
+FAMILIES = pytest.mark.parametrize("family, make_cfg", [(QWEN3, tiny_qwen3_dense), (QWEN3_MOE, tiny_qwen3_moe),
+                                                         (LLAMA, tiny_config)])  # Llama: no QK-norm
 
 
 @FAMILIES
