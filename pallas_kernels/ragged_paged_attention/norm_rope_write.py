@@ -51,8 +51,8 @@ def _kernel(pos_ref, slots_ref, parts_ref, qw_ref, kw_ref, freq_ref, k_in, v_in,
             num_splits: int, n: int, kv: int, half: int, eps: float | None, page_size: int):
     # One program per (token t, head h of the product's N + 2K): pos_ref, slots_ref [T] i32; parts_ref
     # [S, T, N + 2K, H]; qw_ref, kw_ref [H]; freq_ref [H/2] f32; k_in, v_in: the caches, aliased to k_out, v_out
-    # [P, R, K, H]; q_out [T, N, H]. Every program computes the norm and the rotation and stores only what its
-    # head is (masked stores: no branch), a v head its rounded product.
+    # [P, R, K, H]; q_out [T, N, H]. Every program computes the (norm and) rotation and stores only to where its
+    # head belongs (masked stores: no branch); a v head stores its product as it is.
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as plt
 
