@@ -68,7 +68,7 @@ def check_case(case, n: int, interpret: bool) -> None:
 
 
 @pytest.mark.parametrize("splits, tokens", [(1, 1), (4, 2), (4, 8), (2, 5)])
-def test_interpreted_kernel_equals_the_xla_path(splits: int, tokens: int) -> None:
+def test_interpreted_kernel_matches_the_float64_oracle(splits: int, tokens: int) -> None:
     check_case(random_case(splits * 10 + tokens, splits, tokens, n=8, kv=2, head_dim=16), n=8, interpret=True)
 
 
@@ -86,7 +86,7 @@ def test_takes_only_what_it_can_write() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("n, kv", [(32, 4), (32, 8)])  # Qwen3-30B-A3B's and Qwen3-8B's heads of 128
 @pytest.mark.parametrize("splits, tokens", [(1, 1), (1, 2), (4, 2), (4, 8)])
-def test_gpu_kernel_equals_the_xla_path(n: int, kv: int, splits: int, tokens: int) -> None:
+def test_gpu_kernel_matches_the_float64_oracle(n: int, kv: int, splits: int, tokens: int) -> None:
     check_case(random_case(n + kv + splits + tokens, splits, tokens, n=n, kv=kv, head_dim=128), n=n, interpret=False)
 
 
