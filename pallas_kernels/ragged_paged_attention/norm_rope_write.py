@@ -29,12 +29,10 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.ragged_paged_attention.kv_write import _pow2  # the sibling write kernel's power-of-two check
+
 MAX_TOKENS = 8  # decode buckets (longer steps are not bound by launches)
 NUM_WARPS = 1  # per program: one head's H values (read when the kernel is traced)
-
-
-def _pow2(n: int) -> bool:
-    return n > 0 and n & (n - 1) == 0
 
 
 def takes(pages: jax.Array | jax.ShapeDtypeStruct, num_tokens: int, num_q_heads: int) -> bool:
