@@ -27,6 +27,7 @@ from jaxinfer import LLM, SamplingParams
 from jaxinfer.bench.measure import device_events
 from jaxinfer.bench.workloads import fixed, prompts
 from jaxinfer.engine.runner import decode_kind
+from pallas_kernels.grouped_matmul.gpu_swiglu import SwigluTiling
 
 
 def _slices_combine_parts(parts: jax.Array, mine: jax.Array, weights: jax.Array) -> jax.Array:
@@ -117,7 +118,8 @@ def _kernel_write_kv(k_pages: Any, v_pages: Any, k: jax.Array, v: jax.Array, slo
 def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = True, splits: bool = True,
            weighted: bool = True, attention_splits: int | None = None, merge: bool = True,
            kv_kernel: bool = False, qkv_split_k: int = 0, pad_rows: bool | None = True,
-           o_split_k: int = 0, routing_warps: int = 4, merge_warps: int = 4, norm_rope_write: bool = False) -> None:
+           o_split_k: int = 0, routing_warps: int = 4, merge_warps: int = 4, norm_rope_write: bool = False,
+           swiglu_tiling: Any = None) -> None:
     """The tree's code with the named pieces (False) put back as they were before this script's sessions, or with
     a combine it tried ("slices", "s_then_k"), or the attention's split count forced."""
     from jaxinfer.models import common, moe, qwen3
@@ -154,7 +156,8 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
     # where Mosaic's TMA tiling needs it (None: the tree since; a 2-row bucket's x goes as it is).
     pk = runner.moe_fn.keywords["pair_kernel"] if runner.moe_fn is not None else None  # None: a dense model
     if pk is not None and pk.swiglu is not None:
-        _pair_kernel(runner, swiglu=functools.partial(pk.swiglu, pad_rows=pad_rows))
+        # swiglu_tiling: the expert kernel at that SwigluTiling (None: its default_tiling).
+        _pair_kernel(runner, swiglu=functools.partial(pk.swiglu, pad_rows=pad_rows, tiling=swiglu_tiling))
     if kv_kernel:  # K and V written by the kv_write kernel, not two scatters
         import jaxinfer.attention
 
@@ -183,8 +186,14 @@ VARIANTS: dict[str, Callable[[Any], None]] = {
     "qkv_split2": functools.partial(_patch, qkv_split_k=2),
     # The tree since the 30th session: "qkv_split", and the expert kernel's x of a 2-row bucket not padded to 8 rows.
     "nopad": functools.partial(_patch, qkv_split_k=4, pad_rows=None),
-    # The tree since the 32nd session: "nopad", and QK-norm, RoPE and the KV write of decode steps in one kernel.
-    "nrw": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True),
+    # The tree of the 32nd session: "nopad", and QK-norm, RoPE and the KV write of decode steps in one kernel.
+    "nrw": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True,
+                             swiglu_tiling=SwigluTiling()),
+    # The tree since the 33rd session: "nrw" with the expert kernel's gate/up F channels on wgmma's M side (an
+    # 8-row x block a step, not 64 rows) and 4 pipeline stages; or 3 stages of 256 D channels.
+    "cols": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True),
+    "cols_k256": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True,
+                                   swiglu_tiling=SwigluTiling(tile_k=256, gate_up="cols")),
     # "nopad" with the output projection split over K (no gain: 3.222 and 3.251 against 3.175 / 3.199 ms; 30th).
     "o_split4": functools.partial(_patch, qkv_split_k=4, pad_rows=None, o_split_k=4),
     "o_split2": functools.partial(_patch, qkv_split_k=4, pad_rows=None, o_split_k=2),

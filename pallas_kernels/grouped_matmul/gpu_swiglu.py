@@ -16,6 +16,10 @@ A CTA is one (token, slot) pair and one slice of `tile_f` intermediate channels 
    rows from the 8-row block holding it (row0 = the token rounded down to 8, the TMA tiling of a swizzled tile;
    the TMA zero-fills rows past the last), and rows are independent, so the other 63 rows cost tensor-core time only
    (the kernel is bound by the weight bytes, ~3x over the matmul time at Qwen3-30B-A3B's shapes).
+   `gate_up="cols"` (the default at most 16 pairs) turns this around: `g^T, u^T [tile_f, 8] = Wg[e][:, slice]^T
+   @ x[row0 : row0 + 8]^T`, the weight tile as wgmma's transposed A operand and only the 8-row block of x staged
+   (2 KB a step at tile_k 128 instead of 16 KB; a stage's SMEM 34 KB instead of 48, so 4 stages fit), and step 3
+   reads h^T stored transposed into SMEM. At batch 1 on an H200 the kernel went 25.9 -> 22.3 us a layer.
 2. h = silu(g) * u, in registers, cast to the weights' dtype.
 3. down, per `tile_d` block of D (a second pipeline): "cols" (the default) stages h once in SMEM and computes
    `y^T [tile_d, 8] = Wd[e][slice, d tile]^T @ (rows 0..7 of h)^T`, D channels on wgmma's M side as in
@@ -58,6 +62,11 @@ class SwigluTiling:
     # (h staged once through SMEM) and picks the pair's column in registers; "rows" computes y [64, tile_d] =
     # h @ Wd with h in registers and stores all 64 rows to SMEM to send one on.
     down: str = "cols"
+    # The gate/up orientation: "rows" computes g [64, tile_f] = x tile @ Wg over a 64-row x tile (the TMA fills the
+    # rows past the batch with zeros; one row is the pair's); "cols" computes g^T [tile_f, 8] = Wg^T @ x^T, F
+    # channels on wgmma's M side and only the 8-row block of x loaded (2 KB a step instead of 16 at tile_k 128),
+    # h^T stored transposed into SMEM for the down projection (which must be "cols").
+    gate_up: str = "rows"
 
 
 def default_tiling(pairs: int, f: int) -> SwigluTiling:
@@ -65,17 +74,22 @@ def default_tiling(pairs: int, f: int) -> SwigluTiling:
     Qwen3-30B-A3B's F = 768 are 96 CTAs), of 128 above it, where slices of 64 make more CTAs than the SMs
     take at once and each re-reads the x tile (one H200, one layer at 8 live tokens of a 16-token bucket:
     137.7 against 168.0 us; at 1 live token of a 2-token bucket 25.4 against 32.2 us;
-    docs/benchmarks/moe_block_swiglu_h200.json)."""
+    docs/benchmarks/moe_block_swiglu_h200.json). The batch-1 bucket's gate/up runs "cols" on 4 stages: the
+    kernel 25.9 -> 22.3 us a layer at 1 live token of 2, the weight bytes at the measured copy rate (one H200,
+    scripts/profile_moe_block.py; 3, 6 and 8 stages and tile_k 256 were 22.7-24.5 us;
+    docs/benchmarks/swiglu_cols_h200_2026-11-29.json). At 8 live tokens of 16 "cols" gained ~2% (137.4 against
+    140.1 us at 128 x 64 x 4) and "rows" stays."""
     if pairs > 16 and f % 128 == 0:
         return SwigluTiling(tile_f=128, tile_k=64)
-    return SwigluTiling()
+    return SwigluTiling(stages=4, gate_up="cols")
 
 
 def smem_bytes(t: SwigluTiling, itemsize: int = 2) -> int:
     """The larger phase's pipeline buffers plus the two-slot fp32 output (and, "cols", the staged h)."""
-    gate_up = t.stages * (_ROWS * t.tile_k + 2 * t.tile_k * t.tile_f) * itemsize
+    x_rows = _ROW_ALIGN if t.gate_up == "cols" else _ROWS
+    gate_up = t.stages * (x_rows * t.tile_k + 2 * t.tile_k * t.tile_f) * itemsize
     down = t.stages * t.tile_f * t.tile_d * itemsize
-    out = 2 * t.tile_d * 4 + _ROWS * t.tile_f * itemsize if t.down == "cols" else 2 * _ROWS * t.tile_d * 4
+    out = 2 * t.tile_d * 4 + x_rows * t.tile_f * itemsize if t.down == "cols" else 2 * _ROWS * t.tile_d * 4
     return max(gate_up, down) + out
 
 
@@ -89,6 +103,8 @@ def check_tiling(t: SwigluTiling, d: int, f: int) -> None:
         problems.append("stages must be >= 2")
     if t.down not in ("cols", "rows"):
         problems.append(f"down must be 'cols' or 'rows', got {t.down!r}")
+    if t.gate_up not in ("cols", "rows") or (t.gate_up == "cols" and t.down != "cols"):
+        problems.append(f"gate_up must be 'rows' or 'cols' (with down 'cols'), got {t.gate_up!r}")
     from pallas_kernels.grouped_matmul.tuning import SMEM_BUDGET
     if smem_bytes(t) > SMEM_BUDGET:
         problems.append(f"needs {smem_bytes(t)} bytes of shared memory, over {SMEM_BUDGET}")
@@ -113,21 +129,27 @@ def _silu_times(g, u):
 
 
 def _gate_up(acc_g, acc_u, x_gmem, g_gmem, u_gmem, *, row0, c, t: SwigluTiling):
-    """acc_g, acc_u [64, tile_f] += x tile @ Wg / Wu [:, slice c] over all of D; returns both values."""
+    """Gate and up over all of D for slice c, returning both values: "rows": acc [64, tile_f] += x tile @ Wg / Wu
+    [:, slice] over the 64-row x tile; "cols": acc [tile_f, 8] += (Wg / Wu [:, slice])^T @ (x's 8-row block)^T."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
+    cols = t.gate_up == "cols"
     steps = x_gmem.shape[1] // t.tile_k
     lag = min(1, steps - 1)  # one pair of wgmmas stays in flight; its slot is released a step late
+    x_spec = _lhs_spec(_ROW_ALIGN if cols else _ROWS, t.tile_k, row0, 0, x_gmem.dtype, lag)
     w_spec = plgpu.BlockSpec((t.tile_k, t.tile_f), lambda k: (k, c), transforms=_transforms(g_gmem.dtype, t.tile_f),
                              delay_release=lag)
 
     def step(_, x_smem, g_smem, u_smem):
-        plgpu.wgmma(acc_g, x_smem, g_smem)  # [64, tk] @ [tk, tf]
-        plgpu.wgmma(acc_u, x_smem, u_smem)
+        if cols:
+            plgpu.wgmma(acc_g, g_smem.T, x_smem.T)  # [tf, tk] @ [tk, 8]
+            plgpu.wgmma(acc_u, u_smem.T, x_smem.T)
+        else:
+            plgpu.wgmma(acc_g, x_smem, g_smem)  # [64, tk] @ [tk, tf]
+            plgpu.wgmma(acc_u, x_smem, u_smem)
         plgpu.wgmma_wait(lag)
 
-    plgpu.emit_pipeline(step, grid=(steps,), in_specs=[_lhs_spec(_ROWS, t.tile_k, row0, 0, x_gmem.dtype, lag),
-                                                        w_spec, w_spec],
+    plgpu.emit_pipeline(step, grid=(steps,), in_specs=[x_spec, w_spec, w_spec],
                         max_concurrent_steps=t.stages)(x_gmem, g_gmem, u_gmem)
     return acc_g[...], acc_u[...]  # waits for the last wgmmas
 
@@ -139,9 +161,13 @@ def _down_cols(h, h_smem, d_gmem, o_gmem, o_smem, *, p, r, c, scale, t: SwigluTi
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
-    h_smem[...] = h  # [64, tf], swizzled: rows 0..7 are the 8-row block holding the pair's row
+    if t.gate_up == "cols":  # h is h^T [tf, 8]: stored transposed, h_smem [8, tf] is the block itself
+        h_smem.T[...] = h
+        block = h_smem
+    else:
+        h_smem[...] = h  # [64, tf], swizzled: rows 0..7 are the 8-row block holding the pair's row
+        block = h_smem.at[pl.ds(0, _ROW_ALIGN)]  # [8, tf]
     plgpu.commit_smem()
-    block = h_smem.at[pl.ds(0, _ROW_ALIGN)]  # [8, tf]
     steps = d_gmem.shape[1] // t.tile_d
     w_spec = plgpu.BlockSpec((t.tile_f, t.tile_d), lambda j: (c, j), transforms=_transforms(d_gmem.dtype, t.tile_d))
 
@@ -234,9 +260,9 @@ def _kernel(experts_ref, valid_ref, offset_ref, weights_ref, x_gmem, g_gmem, u_g
     def _():
         gate_up = functools.partial(_gate_up, x_gmem=x_gmem, g_gmem=g_gmem.at[expert], u_gmem=u_gmem.at[expert],
                                     row0=row0, c=c, t=t)
-        acc = plgpu.ACC((_ROWS, t.tile_f), jnp.float32)
-        g, u = pl.run_scoped(gate_up, acc, acc)  # [64, tf] each
-        h = _silu_times(g, u).astype(x_gmem.dtype)  # [64, tf]: A operand of the down wgmma, in registers
+        acc = plgpu.ACC((t.tile_f, _ROW_ALIGN) if t.gate_up == "cols" else (_ROWS, t.tile_f), jnp.float32)
+        g, u = pl.run_scoped(gate_up, acc, acc)  # [64, tf] each ("cols": [tf, 8])
+        h = _silu_times(g, u).astype(x_gmem.dtype)  # [64, tf] ("cols": h^T [tf, 8]), in registers
         scale = weights_ref[token, slot] if weighted else None
         down = dict(p=token, r=token - row0, c=c, scale=scale, t=t, interpret=interpret)
         if t.down == "cols":
@@ -276,7 +302,8 @@ def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
     weights = jnp.zeros((tokens, top_k), jnp.float32) if weights is None else weights.astype(jnp.float32)
     if t.down == "cols":
         scratch = [plgpu.SMEM((2, t.tile_d), jnp.float32),
-                   plgpu.SMEM((_ROWS, t.tile_f), x.dtype, transforms=_transforms(x.dtype, t.tile_f))]
+                   plgpu.SMEM((_ROW_ALIGN if t.gate_up == "cols" else _ROWS, t.tile_f), x.dtype,
+                              transforms=_transforms(x.dtype, t.tile_f))]
     else:
         scratch = [plgpu.SMEM((2, _ROWS, t.tile_d), jnp.float32)]
     return plgpu.kernel(

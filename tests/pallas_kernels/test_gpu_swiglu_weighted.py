@@ -63,6 +63,7 @@ CASES = {  # tokens, top_k, experts, expert offset, D, F, tiling or None (the de
     "expert_offset": (6, 2, 4, 3, 256, 256, gpu_swiglu.SwigluTiling(tile_f=128, tile_k=64, tile_d=128, stages=2)),
     "d256": (5, 2, 3, 0, 512, 64, gpu_swiglu.SwigluTiling(tile_f=64, tile_k=64, tile_d=256, stages=2)),
     "rows_down": (9, 3, 5, 2, 256, 128, gpu_swiglu.SwigluTiling(stages=2, down="rows")),
+    "cols_gate_up": (11, 3, 7, 2, 256, 128, gpu_swiglu.SwigluTiling(stages=2, gate_up="cols")),
 }
 
 
@@ -91,7 +92,8 @@ def test_weighted_swiglu_lowers_for_cuda():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiling", [None, gpu_swiglu.SwigluTiling(tile_f=128, tile_k=64, tile_d=128, stages=3),
-                                    gpu_swiglu.SwigluTiling(down="rows")])
+                                    gpu_swiglu.SwigluTiling(down="rows"), gpu_swiglu.SwigluTiling(gate_up="cols"),
+                                    gpu_swiglu.SwigluTiling(gate_up="cols", stages=5)], ids=str)
 @pytest.mark.parametrize("tokens, offset", [(2, 0), (16, 0), (16, 32)])
 def test_gpu_weighted_swiglu_at_qwen3_decode(rng, tokens, offset, tiling):
     """Qwen3-30B-A3B's expert shapes (D 2048, F 768, top-8 of 128; with an offset, 128 of 192 ids held here). The
