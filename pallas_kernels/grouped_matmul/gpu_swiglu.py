@@ -155,7 +155,8 @@ def _gate_up(acc_g, acc_u, x_gmem, g_gmem, u_gmem, *, row0, c, t: SwigluTiling):
 
 
 def _down_cols(h, h_smem, d_gmem, o_gmem, o_smem, *, p, r, c, scale, t: SwigluTiling, interpret):
-    """o_gmem[p, d tile] = scale * row r of h [64, tile_f] @ Wd[slice c, d tile], for every d tile of D, as
+    """o_gmem[p, d tile] = scale * row r of h [64, tile_f] (from a "cols" gate/up, column r of h^T [tile_f, 8])
+    @ Wd[slice c, d tile], for every d tile of D, as
     y^T [tile_d, 8] = Wd^T @ (rows 0..7 of h)^T (the gather_matmul orientation: D channels are wgmma's M side)
     and column r of it picked in registers (a masked row sum), so one [tile_d] row goes through SMEM."""
     import jax.experimental.pallas as pl
