@@ -14,8 +14,9 @@ from pathlib import Path
 # library calls), and the HF parity goldens (exact tokens, logits within 1e-4) pass unchanged. LLVM's optimization
 # level 0 on top, each alone from an empty compilation cache: a speculative chi-square test on a tiny model (four
 # engines' warmups) 83.7 -> 66.6 s, ten interpreted attention-kernel tests 61.6 -> 54.2 s, test_parity.py on the real
-# model 249.4 -> 249.9 s (what it saves in compiling its slower code gives back); docs/PERFORMANCE.md, "CPU". Users' programs keep XLA's defaults; subprocesses that force
-# another device count keep the rest (model_helpers.xla_flags_with_devices).
+# model 249.4 -> 249.9 s (what it saves in compiling its slower code gives back); docs/PERFORMANCE.md, "CPU".
+# Users' programs keep XLA's defaults; subprocesses that force another device count keep the rest
+# (model_helpers.xla_flags_with_devices).
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_llvm_disable_expensive_passes=true "
                                    "--xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
