@@ -44,10 +44,11 @@ import jax
 import jax.numpy as jnp
 from flax import struct
 
-from jaxinfer.models.common import AttentionMetadata
+from jaxinfer.models.common import AttentionMetadata, rms_norm
 from jaxinfer.params import ParamSpec
 from jaxinfer.sharding import Logical as L
 from pallas_kernels import moe_routing
+from pallas_kernels.moe_routing import norm_router
 
 # (lhs [M, D], rhs [E, D, F], group_sizes [E] int32) -> [M, F]: rows of expert e are consecutive, experts in
 # order; rows past sum(group_sizes) are padding.
@@ -112,29 +113,32 @@ class Routing:
 
 
 def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool,
-          select_top_k: Callable[..., tuple[jax.Array, jax.Array]] | None = None, splits: int = 1) -> Routing:
+          select_top_k: Callable[..., tuple[jax.Array, jax.Array]] | None = None, splits: int = 1,
+          logits: jax.Array | None = None) -> Routing:
     """Softmax over all experts in float32, the top-k of it, renormalized to sum 1 when asked (computed as in
     pallas_kernels.moe_routing.reference, or by `select_top_k` on the logits, e.g. its kernel, which takes them as
-    `splits` partial products when splits > 1)."""
+    `splits` partial products when splits > 1). `logits` [T, E] float32, or [P, T, E] partial products: x @ router
+    computed already (the norm_router kernel's), used as they are."""
     # Products of 16-bit values are exact in float32, so 16-bit operands summed in float32 give the float32
     # logits without a float32 copy of x and the router (a 4k-token prefill read twice the bytes that way).
-    if splits > 1 and select_top_k is not None:
+    if logits is None and splits > 1 and select_top_k is not None:
         logits = moe_routing.split_router_logits(x, router.astype(x.dtype), splits)  # [P, T, E]
-    else:
+    elif logits is None:
         logits = jnp.einsum("td,de->te", x, router.astype(x.dtype), preferred_element_type=jnp.float32)  # [T, E]
     weights, experts = (select_top_k or moe_routing.reference)(logits, top_k, norm_topk_prob)  # [T, k] each
     return Routing(weights=weights, experts=experts.astype(jnp.int32))
 
 
 def step_routing(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool,
-                 pair_kernel: PairKernel | None) -> Routing:
+                 pair_kernel: PairKernel | None, logits: jax.Array | None = None) -> Routing:
     """`route` for a step of x's tokens: with the pair kernel's own top-k where the step takes the per-pair path
-    (a decode step), so routing and experts come from the same set of kernels."""
+    (a decode step), so routing and experts come from the same set of kernels. `logits`: the router's product
+    computed already ([T, E] float32 or [P, T, E] partials), or None."""
     small = x.shape[0] * top_k <= PAIR_PATH_MAX_PAIRS
     if pair_kernel is None or not small or pair_kernel.select_top_k is None:
-        return route(x, router, top_k, norm_topk_prob)
-    splits = moe_routing.router_splits(x.shape[1], pair_kernel.router_splits)
-    return route(x, router, top_k, norm_topk_prob, pair_kernel.select_top_k, splits)
+        return route(x, router, top_k, norm_topk_prob, logits=logits)
+    splits = 1 if logits is not None else moe_routing.router_splits(x.shape[1], pair_kernel.router_splits)
+    return route(x, router, top_k, norm_topk_prob, pair_kernel.select_top_k, splits, logits)
 
 
 def expert_token_counts(experts: jax.Array, num_experts: int, valid: jax.Array | None = None) -> jax.Array:
@@ -263,13 +267,46 @@ def moe_block(
     valid: jax.Array | None = None,
     expert_matmul: GroupedMatmul = jax.lax.ragged_dot,
     pair_kernel: PairKernel | None = None,
+    logits: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
-    """x [T, D] -> (MoE output [T, D] in x's dtype, per-expert token counts [E] int32)."""
-    routing = step_routing(x, w.router, top_k, norm_topk_prob, pair_kernel)
+    """x [T, D] -> (MoE output [T, D] in x's dtype, per-expert token counts [E] int32). `logits` ([T, E] float32 or
+    [P, T, E] partials): the router's product of x computed already (normed_router_input), or None."""
+    routing = step_routing(x, w.router, top_k, norm_topk_prob, pair_kernel, logits)
     out, counts = moe_partial(x, w, routing, valid=valid, expert_matmul=expert_matmul,
                               pair_kernel=pair_kernel)  # [T, D] f32, [E]
     return out.astype(x.dtype), counts
 
 
+moe_block.takes_logits = True  # (MoEFn) it takes the router's logits computed already
+
+
 # (x [T, D], weights, *, top_k, norm_topk_prob, valid [T] bool) -> (out [T, D], counts [E]); `moe_block` is one.
+# One that also takes `logits=` (the router's product computed already) says so with a true `takes_logits`
+# attribute (`takes_logits`).
 MoEFn = Callable[..., tuple[jax.Array, jax.Array]]
+
+
+def takes_logits(moe_fn: MoEFn) -> bool:
+    """Whether `moe_fn` takes `logits=` (module comment above)."""
+    return bool(getattr(moe_fn, "takes_logits", False))
+
+
+# Decode-sized steps on a GPU run the MLP RMSNorm and the router's product as one kernel
+# (pallas_kernels.moe_routing.norm_router says why). "interpret": that kernel interpreted, on any backend (tests);
+# None: never (XLA's path).
+NORM_ROUTER: str | None = "gpu"
+
+
+def normed_router_input(x: jax.Array, norm_weight: jax.Array, w: MoEWeights, eps: float,
+                        moe_fn: MoEFn) -> tuple[jax.Array, jax.Array | None]:
+    """A MoE layer's input: (RMSNorm(x) [T, D], the router's logits of it as [P, T, E] float32 partials, or None).
+    Both come from the norm_router kernel where it serves: NORM_ROUTER's backend, a `moe_fn` that takes the logits
+    (one device's whole MoE block), a float router and the kernel's shapes; otherwise the norm alone, and the block
+    computes the logits."""
+    mode = NORM_ROUTER
+    router = w.router.astype(x.dtype) if isinstance(w.router, jax.Array) else w.router
+    if (mode is None or (mode == "gpu" and jax.default_backend() != "gpu") or not takes_logits(moe_fn)
+            or not norm_router.takes(x, norm_weight, router, norm_router.ROWS_PER_PROGRAM)):
+        return rms_norm(x, norm_weight, eps), None
+    return norm_router.norm_router(x, norm_weight, router, eps=eps, rows_per_program=norm_router.ROWS_PER_PROGRAM,
+                                   num_warps=norm_router.NUM_WARPS, interpret=mode == "interpret")

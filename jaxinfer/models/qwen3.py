@@ -54,7 +54,7 @@ from jaxinfer.models.common import (
     takes_norm_rope_write,
 )
 from jaxinfer.models.fused import FusedColumns
-from jaxinfer.models.moe import MoEFn, MoEWeights, moe_block, moe_specs, valid_tokens
+from jaxinfer.models.moe import MoEFn, MoEWeights, moe_block, moe_specs, normed_router_input, valid_tokens
 from jaxinfer.params import Init, ParamSpec
 from jaxinfer.sharding import Logical as L
 from pallas_kernels import moe_routing
@@ -238,12 +238,15 @@ def attention_block(
 
 
 def feed_forward(layer: Qwen3Layer, h: jax.Array, cfg: ModelConfig, valid: jax.Array, moe_fn: MoEFn,
-                 linear: Linear = DEFAULT_LINEAR) -> tuple[jax.Array, jax.Array]:
-    """h [T, D] -> (out [T, D], tokens routed to each expert [E] int32; zeros for a dense layer)."""
+                 linear: Linear = DEFAULT_LINEAR, logits: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+    """h [T, D] -> (out [T, D], tokens routed to each expert [E] int32; zeros for a dense layer). `logits`: the MoE
+    router's product of h computed already (moe.normed_router_input), or None."""
     if layer.moe is None:
         out = gated_mlp(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down, "silu", linear)
         return out, no_expert_counts(cfg)
-    return moe_fn(h, layer.moe, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, valid=valid)
+    extra = {} if logits is None else {"logits": logits}
+    return moe_fn(h, layer.moe, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, valid=valid,
+                  **extra)
 
 
 def no_expert_counts(cfg: ModelConfig) -> jax.Array:
@@ -258,7 +261,11 @@ def decoder_layer(layer: Qwen3Layer, x: jax.Array, k_pages: jax.Array, v_pages: 
     h = rms_norm(x, layer.attn_norm, eps)
     attn_out, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, inv_freq, eps, attn_fn, linear)
     x = x + attn_out
-    out, counts = feed_forward(layer, rms_norm(x, layer.mlp_norm, eps), cfg, valid, moe_fn, linear)
+    if layer.moe is None:
+        h, logits = rms_norm(x, layer.mlp_norm, eps), None
+    else:  # decode steps on a GPU: the norm and the router's product in one kernel
+        h, logits = normed_router_input(x, layer.mlp_norm, layer.moe, eps, moe_fn)
+    out, counts = feed_forward(layer, h, cfg, valid, moe_fn, linear, logits)
     return x + out, k_pages, v_pages, counts
 
 
