@@ -87,6 +87,7 @@ def _pair_kernel(runner: Any, **changes: Any) -> None:
     pk = dataclasses.replace(pk, **changes)
     runner.moe_fn = functools.partial(moe_block, expert_matmul=runner.moe_fn.keywords["expert_matmul"],
                                       pair_kernel=pk)
+    runner.moe_fn.takes_logits = True  # as the engine's (expert_parallel.make_moe_fn)
 
 
 _SAVED_ATTENTION: list[Any] = []  # the tree's gpu.ragged_paged_attention while a variant runs
@@ -119,7 +120,7 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
            weighted: bool = True, attention_splits: int | None = None, merge: bool = True,
            kv_kernel: bool = False, qkv_split_k: int = 0, pad_rows: bool | None = True,
            o_split_k: int = 0, routing_warps: int = 4, merge_warps: int = 4, norm_rope_write: bool = False,
-           swiglu_tiling: Any = None) -> None:
+           swiglu_tiling: Any = None, norm_router: tuple[int, int] | None = None) -> None:
     """The tree's code with the named pieces (False) put back as they were before this script's sessions, or with
     a combine it tried ("slices", "s_then_k"), or the attention's split count forced."""
     from jaxinfer.models import common, moe, qwen3
@@ -127,6 +128,13 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
     # The joined q/k/v product of decode-sized steps with K split this many ways (qwen3.QKV_SPLIT_K, 4 in the tree
     # since the 29th session; 0, the default here, is the one product of the variants before it).
     qwen3.QKV_SPLIT_K = qkv_split_k
+    # The MLP norm and the router's product of decode steps as one kernel, at (router rows a program, warps)
+    # (moe.NORM_ROUTER, on in the tree since the 34th session; None, the default here: XLA's two kernels).
+    from pallas_kernels.moe_routing import norm_router as nr
+
+    moe.NORM_ROUTER = None if norm_router is None else "gpu"
+    if norm_router is not None:
+        nr.ROWS_PER_PROGRAM, nr.NUM_WARPS = norm_router
     # QK-norm, RoPE and the K and V writes of decode steps as one kernel (common.NORM_ROPE_WRITE, on in the tree since
     # the 32nd session), or XLA's four kernels (False, the default here: every variant before it).
     common.NORM_ROPE_WRITE = "gpu" if norm_rope_write else None
@@ -192,6 +200,11 @@ VARIANTS: dict[str, Callable[[Any], None]] = {
     # The tree since the 33rd session: "nrw" with the expert kernel's gate/up F channels on wgmma's M side (an
     # 8-row x block a step, not 64 rows) and 4 pipeline stages; or 3 stages of 256 D channels.
     "cols": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True),
+    # The tree since the 34th session: "cols" with the MLP norm and the router's product in one kernel, 64 router
+    # rows a program (32 partials) on 4 warps; and other slices.
+    "nr": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4)),
+    "nr_r32": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(32, 4)),
+    "nr_r128": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(128, 8)),
     "cols_k256": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True,
                                    swiglu_tiling=SwigluTiling(tile_k=256, gate_up="cols")),
     # "nopad" with the output projection split over K (no gain: 3.222 and 3.251 against 3.175 / 3.199 ms; 30th).
@@ -252,6 +265,9 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
 
     from pallas_kernels import moe_routing
 
+    from pallas_kernels.moe_routing import norm_router as nr
+
+    saved_nr = (moe.NORM_ROUTER, nr.ROWS_PER_PROGRAM, nr.NUM_WARPS)
     saved = (moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv,
              qwen3.QKV_SPLIT_K, qwen3.output_projection, moe_routing._pallas_gpu, moe_routing.NUM_WARPS,
              decode_merge.merge_decode_splits, decode_merge.NUM_WARPS, common.NORM_ROPE_WRITE)
@@ -301,6 +317,7 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
      qwen3.QKV_SPLIT_K, qwen3.output_projection, moe_routing._pallas_gpu, moe_routing.NUM_WARPS,
      decode_merge.merge_decode_splits, decode_merge.NUM_WARPS, common.NORM_ROPE_WRITE) = saved
     attention_gpu.ragged_paged_attention = _SAVED_ATTENTION[0]
+    moe.NORM_ROUTER, nr.ROWS_PER_PROGRAM, nr.NUM_WARPS = saved_nr
     return {"variant": name, "ms_per_iteration": ms_iter, "compile_s": compile_s, "source": source,
             "launches_per_iteration": launches, "kernel_ms_per_iteration": kernel_ms, "first_tokens": tokens[0],
             "kernels": [{"name": n[:100], "per_iteration": c / iters, "us_per_iteration": ms * 1e3 / iters}
