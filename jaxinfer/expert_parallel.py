@@ -52,9 +52,7 @@ def make_moe_fn(mesh: Mesh | None, rules: ShardingRules, expert_matmul: GroupedM
     """The MoE block the model calls (same signature as jaxinfer.models.moe.moe_block) for this mesh."""
     reduce_axes = flat_axes(model_axes(mesh.shape)) if mesh is not None else ()
     if not reduce_axes:
-        fn = functools.partial(moe_block, expert_matmul=expert_matmul, pair_kernel=pair_kernel)
-        fn.takes_logits = True  # one device's whole block: it takes the norm_router kernel's logits (moe.MoEFn)
-        return fn
+        return functools.partial(moe_block, expert_matmul=expert_matmul, pair_kernel=pair_kernel)
     ep = axis_size(mesh, EXPERT)
 
     def per_device(x: jax.Array, w: MoEWeights, valid: jax.Array | None, *, top_k: int,

@@ -87,7 +87,6 @@ def _pair_kernel(runner: Any, **changes: Any) -> None:
     pk = dataclasses.replace(pk, **changes)
     runner.moe_fn = functools.partial(moe_block, expert_matmul=runner.moe_fn.keywords["expert_matmul"],
                                       pair_kernel=pk)
-    runner.moe_fn.takes_logits = True  # as the engine's (expert_parallel.make_moe_fn)
 
 
 _SAVED_ATTENTION: list[Any] = []  # the tree's gpu.ragged_paged_attention while a variant runs

@@ -277,18 +277,15 @@ def moe_block(
     return out.astype(x.dtype), counts
 
 
-moe_block.takes_logits = True  # (MoEFn) it takes the router's logits computed already
-
-
 # (x [T, D], weights, *, top_k, norm_topk_prob, valid [T] bool) -> (out [T, D], counts [E]); `moe_block` is one.
-# One that also takes `logits=` (the router's product computed already) says so with a true `takes_logits`
-# attribute (`takes_logits`).
 MoEFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 def takes_logits(moe_fn: MoEFn) -> bool:
-    """Whether `moe_fn` takes `logits=` (module comment above)."""
-    return bool(getattr(moe_fn, "takes_logits", False))
+    """Whether `moe_fn` takes `logits=` (the router's product computed already): `moe_block` itself or a partial of
+    it (one device's whole block, as expert_parallel.make_moe_fn makes without a mesh); a sharded block does not."""
+    func = moe_fn.func if isinstance(moe_fn, functools.partial) else moe_fn
+    return func is moe_block
 
 
 # Decode-sized steps on a GPU run the MLP RMSNorm and the router's product as one kernel
@@ -304,9 +301,10 @@ def normed_router_input(x: jax.Array, norm_weight: jax.Array, w: MoEWeights, eps
     (one device's whole MoE block), a float router and the kernel's shapes; otherwise the norm alone, and the block
     computes the logits."""
     mode = NORM_ROUTER
-    router = w.router.astype(x.dtype) if isinstance(w.router, jax.Array) else w.router
-    if (mode is None or (mode == "gpu" and jax.default_backend() != "gpu") or not takes_logits(moe_fn)
-            or not norm_router.takes(x, norm_weight, router, norm_router.ROWS_PER_PROGRAM)):
+    if mode is None or (mode == "gpu" and jax.default_backend() != "gpu") or not takes_logits(moe_fn):
+        return rms_norm(x, norm_weight, eps), None
+    router = w.router.astype(x.dtype)
+    if not norm_router.takes(x, norm_weight, router, norm_router.ROWS_PER_PROGRAM):
         return rms_norm(x, norm_weight, eps), None
     return norm_router.norm_router(x, norm_weight, router, eps=eps, rows_per_program=norm_router.ROWS_PER_PROGRAM,
                                    num_warps=norm_router.NUM_WARPS, interpret=mode == "interpret")

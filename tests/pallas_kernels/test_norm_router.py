@@ -127,7 +127,8 @@ def test_model_with_the_kernel_path_and_the_reference_gives_identical_logits(mon
 
 
 def test_the_kernel_stays_out_of_blocks_that_do_not_take_logits(monkeypatch) -> None:
-    """A MoE function without `takes_logits` (an expert-parallel block) gets the norm alone and no logits."""
+    """A MoE function other than moe_block or a partial of it (an expert-parallel block) gets the norm alone and no
+    logits."""
     monkeypatch.setattr(moe, "NORM_ROUTER", "interpret")
     x, w, r = random_case(1, 2, 64, 16)
     weights = moe.MoEWeights(router=r, w_gate=None, w_up=None, w_down=None)
