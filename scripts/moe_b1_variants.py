@@ -119,7 +119,7 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
            weighted: bool = True, attention_splits: int | None = None, merge: bool = True,
            kv_kernel: bool = False, qkv_split_k: int = 0, pad_rows: bool | None = True,
            o_split_k: int = 0, routing_warps: int = 4, merge_warps: int = 4, norm_rope_write: bool = False,
-           swiglu_tiling: Any = None, norm_router: tuple[int, int] | None = None) -> None:
+           swiglu_tiling: Any = None, norm_router: tuple[int, int] | None = None, accumulate: bool = False) -> None:
     """The tree's code with the named pieces (False) put back as they were before this script's sessions, or with
     a combine it tried ("slices", "s_then_k"), or the attention's split count forced."""
     from jaxinfer.models import common, moe, qwen3
@@ -165,6 +165,9 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
     if pk is not None and pk.swiglu is not None:
         # swiglu_tiling: the expert kernel at that SwigluTiling (None: its default_tiling).
         _pair_kernel(runner, swiglu=functools.partial(pk.swiglu, pad_rows=pad_rows, tiling=swiglu_tiling))
+        # accumulate: the expert kernel adds its rows into the layer's residual (TMA reduce-add; the tree since the
+        # 35th session), or writes [S, k, T, D] parts that a combine kernel sums (False, the default here).
+        _pair_kernel(runner, swiglu_accumulates=accumulate)
     if kv_kernel:  # K and V written by the kv_write kernel, not two scatters
         import jaxinfer.attention
 
@@ -202,6 +205,9 @@ VARIANTS: dict[str, Callable[[Any], None]] = {
     # The tree since the 34th session: "cols" with the MLP norm and the router's product in one kernel, 64 router
     # rows a program (32 partials) on 4 warps; and other slices.
     "nr": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4)),
+    # The tree since the 35th session: "nr" with the expert kernel adding its rows into the residual (no combine).
+    "acc": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4),
+                             accumulate=True),
     "nr_r32": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(32, 4)),
     "nr_r128": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(128, 8)),
     "cols_k256": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True,

@@ -466,12 +466,13 @@ def gpu_pair_kernel(interpret: bool = False, swiglu_tiling=None) -> PairKernel:
     The SwiGLU kernel is given the routing weights (swiglu_weighted): it scales each pair's rows and writes zeros
     for the pairs it skips, so the combine is a plain sum, and its mask fusion and that transpose go (two kernels
     a layer; 3.542 -> 3.445 and 3.520 -> 3.432 ms an iteration in two leases,
-    docs/benchmarks/moe_b1_fusion_h200_2026-11-28b.json and -28c.json)."""
+    docs/benchmarks/moe_b1_fusion_h200_2026-11-28b.json and -28c.json). Where the model hands the block its
+    residual (moe.takes_logits), the kernel adds its rows into it (swiglu_accumulates): the combine's sum goes too."""
     route_impl = "pallas_gpu" if interpret else "auto"  # auto: the reference for shapes the kernel does not take
     return PairKernel(functools.partial(gather_matmul, impl="pallas_gpu", interpret=interpret),
                       takes=gmm_gpu.supported,
                       swiglu=functools.partial(gmm_swiglu.swiglu_experts, interpret=interpret, tiling=swiglu_tiling),
-                      swiglu_takes=gmm_swiglu.supported, swiglu_weighted=True,
+                      swiglu_takes=gmm_swiglu.supported, swiglu_weighted=True, swiglu_accumulates=True,
                       select_top_k=functools.partial(top_k_routing, impl=route_impl, interpret=interpret),
                       router_splits=ROUTER_SPLITS)
 

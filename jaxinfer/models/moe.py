@@ -73,6 +73,9 @@ class PairKernel:
     # Whether `swiglu` also takes weights=[T, k] routing weights, then scales each pair's rows by them and writes
     # zeros for the pairs it skips: the combine is a plain sum of the parts, without masks or weights of its own.
     swiglu_weighted: bool = False
+    # Whether a weighted `swiglu` also takes residual=[T, D] float32 and returns residual + the MoE output [T, D]
+    # float32, adding each pair's rows into the residual's buffer itself: no parts, no combine kernel.
+    swiglu_accumulates: bool = False
     # The routing of such steps, or None (the reference): (logits [T, E] f32, or [P, T, E] partial sums when
     # router_splits P > 1, top_k, renorm) -> (weights [T, k], experts [T, k]); e.g.
     # pallas_kernels.moe_routing.top_k_routing, one kernel where XLA runs a sort and two more.
@@ -173,16 +176,19 @@ def swiglu_experts(xs: jax.Array, w: MoEWeights, group_sizes: jax.Array, expert_
 def moe_partial(
     x: jax.Array, w: MoEWeights, routing: Routing, *, valid: jax.Array | None = None,
     expert_offset: jax.Array | int = 0, expert_matmul: GroupedMatmul = jax.lax.ragged_dot,
-    pair_kernel: PairKernel | None = None,
+    pair_kernel: PairKernel | None = None, residual: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """The contribution of the experts held in `w` (global ids expert_offset .. + E_local - 1) to every token:
     x [T, D] -> (float32 [T, D], the local group sizes [E_local] int32). Pairs routed to other experts, and
     padding tokens, sort past every local group and add nothing. With all experts local (offset 0) this is the
     whole MoE output and the group sizes are `expert_token_counts`; an expert-parallel caller sums the partials
-    of all devices."""
+    of all devices. `residual` [T, D] float32, only where `accumulates`: returned as residual + the contribution,
+    the fused kernel adding its rows into it."""
     t, d = x.shape
     top_k = routing.experts.shape[1]
     e_local = w.w_gate.shape[0]
+    if residual is not None and not accumulates(pair_kernel, x, w, t * top_k):
+        raise ValueError("moe_partial takes a residual only where the fused kernel accumulates (`accumulates`)")
     local = routing.experts - expert_offset  # [T, k] local expert ids; outside [0, E_local) elsewhere
     mine = (local >= 0) & (local < e_local)  # [T, k]
     if valid is not None:
@@ -195,6 +201,8 @@ def moe_partial(
             # The kernel reads the routing as it is and skips other pairs itself: no per-layer mask kernel.
             swiglu = functools.partial(pair_kernel.swiglu, x, w.w_gate, w.w_up, w.w_down, routing.experts, valid,
                                        expert_offset)
+            if residual is not None:  # accumulates: the kernel adds the weighted rows of its pairs into residual
+                return swiglu(weights=routing.weights, residual=residual), group_sizes  # [T, D] f32
             if pair_kernel.swiglu_weighted:
                 parts = swiglu(weights=routing.weights)  # [S, k, T, D], weighted, zeros where not `mine`
                 return jnp.sum(parts.reshape(-1, t, d), axis=0), group_sizes  # [S*k, T, D] -> [T, D]
@@ -215,6 +223,12 @@ def _pair_path(kernel: PairKernel | None, x: jax.Array, w: MoEWeights, pairs: in
     """Whether this step's `pairs` (token, slot) pairs run the per-pair path (decided at trace time)."""
     return (kernel is not None and pairs <= PAIR_PATH_MAX_PAIRS
             and kernel.takes(x, w.w_gate) and kernel.takes(x, w.w_down))
+
+
+def accumulates(kernel: PairKernel | None, x: jax.Array, w: MoEWeights, pairs: int) -> bool:
+    """Whether this step's experts run the fused kernel that adds its rows into a residual (swiglu_accumulates)."""
+    return (_pair_path(kernel, x, w, pairs) and kernel.swiglu is not None and kernel.swiglu_weighted
+            and kernel.swiglu_accumulates and kernel.swiglu_takes(x, w.w_gate, w.w_up, w.w_down))
 
 
 def swiglu_pairs(x: jax.Array, w: MoEWeights, experts: jax.Array, pair_matmul) -> jax.Array:
@@ -268,13 +282,22 @@ def moe_block(
     expert_matmul: GroupedMatmul = jax.lax.ragged_dot,
     pair_kernel: PairKernel | None = None,
     logits: jax.Array | None = None,
+    residual: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """x [T, D] -> (MoE output [T, D] in x's dtype, per-expert token counts [E] int32). `logits` ([T, E] float32 or
-    [P, T, E] partials): the router's product of x computed already (normed_router_input), or None."""
+    [P, T, E] partials): the router's product of x computed already (normed_router_input), or None. `residual`
+    [T, D]: the layer's residual stream, then returned as residual + the MoE output, in residual's dtype; where the
+    fused GPU kernel accumulates (`accumulates`), it adds the experts' rows into a float32 copy of the residual, so
+    the layer's combine kernel goes (and the sum rounds once, where the unfused path rounds the output first)."""
     routing = step_routing(x, w.router, top_k, norm_topk_prob, pair_kernel, logits)
-    out, counts = moe_partial(x, w, routing, valid=valid, expert_matmul=expert_matmul,
-                              pair_kernel=pair_kernel)  # [T, D] f32, [E]
-    return out.astype(x.dtype), counts
+    partial = functools.partial(moe_partial, x, w, routing, valid=valid, expert_matmul=expert_matmul,
+                                pair_kernel=pair_kernel)
+    if residual is not None and accumulates(pair_kernel, x, w, x.shape[0] * top_k):
+        out, counts = partial(residual=residual.astype(jnp.float32))  # [T, D] f32: residual + experts
+        return out.astype(residual.dtype), counts
+    out, counts = partial()  # [T, D] f32, [E]
+    out = out.astype(x.dtype)
+    return (out if residual is None else residual + out), counts
 
 
 # (x [T, D], weights, *, top_k, norm_topk_prob, valid [T] bool) -> (out [T, D], counts [E]); `moe_block` is one.
@@ -282,8 +305,9 @@ MoEFn = Callable[..., tuple[jax.Array, jax.Array]]
 
 
 def takes_logits(moe_fn: MoEFn) -> bool:
-    """Whether `moe_fn` takes `logits=` (the router's product computed already): `moe_block` itself or a partial of
-    it (one device's whole block, as expert_parallel.make_moe_fn makes without a mesh); a sharded block does not."""
+    """Whether `moe_fn` takes `logits=` (the router's product computed already) and `residual=`: `moe_block` itself or
+    a partial of it (one device's whole block, as expert_parallel.make_moe_fn makes without a mesh); a sharded block
+    does not."""
     func = moe_fn.func if isinstance(moe_fn, functools.partial) else moe_fn
     return func is moe_block
 

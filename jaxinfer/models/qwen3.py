@@ -54,7 +54,8 @@ from jaxinfer.models.common import (
     takes_norm_rope_write,
 )
 from jaxinfer.models.fused import FusedColumns
-from jaxinfer.models.moe import MoEFn, MoEWeights, moe_block, moe_specs, normed_router_input, valid_tokens
+from jaxinfer.models.moe import (MoEFn, MoEWeights, moe_block, moe_specs, normed_router_input, takes_logits,
+                                  valid_tokens)
 from jaxinfer.params import Init, ParamSpec
 from jaxinfer.sharding import Logical as L
 from pallas_kernels import moe_routing
@@ -237,16 +238,20 @@ def attention_block(
     return out, k_pages, v_pages
 
 
-def feed_forward(layer: Qwen3Layer, h: jax.Array, cfg: ModelConfig, valid: jax.Array, moe_fn: MoEFn,
+def feed_forward(layer: Qwen3Layer, h: jax.Array, x: jax.Array, cfg: ModelConfig, valid: jax.Array, moe_fn: MoEFn,
                  linear: Linear = DEFAULT_LINEAR, logits: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
-    """h [T, D] -> (out [T, D], tokens routed to each expert [E] int32; zeros for a dense layer). `logits`: the MoE
-    router's product of h computed already (moe.normed_router_input), or None."""
+    """(h [T, D] the normed input, x [T, D] the residual) -> (x + the MLP or MoE output [T, D], tokens routed to each
+    expert [E] int32; zeros for a dense layer). `logits`: the MoE router's product of h computed already
+    (moe.normed_router_input), or None. A MoE block that takes the residual (one device's whole block) adds it
+    itself: the GPU's fused expert kernel adds its rows into it."""
     if layer.moe is None:
         out = gated_mlp(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down, "silu", linear)
-        return out, no_expert_counts(cfg)
-    extra = {} if logits is None else {"logits": logits}
-    return moe_fn(h, layer.moe, top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, valid=valid,
-                  **extra)
+        return x + out, no_expert_counts(cfg)
+    kwargs = dict(top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob, valid=valid)
+    if not takes_logits(moe_fn):
+        out, counts = moe_fn(h, layer.moe, **kwargs)
+        return x + out, counts
+    return moe_fn(h, layer.moe, **kwargs, logits=logits, residual=x)
 
 
 def no_expert_counts(cfg: ModelConfig) -> jax.Array:
@@ -265,8 +270,8 @@ def decoder_layer(layer: Qwen3Layer, x: jax.Array, k_pages: jax.Array, v_pages: 
         h, logits = rms_norm(x, layer.mlp_norm, eps), None
     else:  # decode steps on a GPU: the norm and the router's product in one kernel
         h, logits = normed_router_input(x, layer.mlp_norm, layer.moe, eps, moe_fn)
-    out, counts = feed_forward(layer, h, cfg, valid, moe_fn, linear, logits)
-    return x + out, k_pages, v_pages, counts
+    x, counts = feed_forward(layer, h, x, cfg, valid, moe_fn, linear, logits)
+    return x, k_pages, v_pages, counts
 
 
 def forward(

@@ -154,8 +154,9 @@ def _gate_up(acc_g, acc_u, x_gmem, g_gmem, u_gmem, *, row0, c, t: SwigluTiling):
     return acc_g[...], acc_u[...]  # waits for the last wgmmas
 
 
-def _down_cols(h, h_smem, d_gmem, o_gmem, o_smem, *, p, r, c, scale, t: SwigluTiling, interpret):
-    """o_gmem[p, d tile] = scale * row r of h [64, tile_f] (from a "cols" gate/up, column r of h^T [tile_f, 8])
+def _down_cols(h, h_smem, d_gmem, o_gmem, o_smem, *, p, r, c, scale, t: SwigluTiling, interpret,
+               accumulate=False):
+    """o_gmem[p, d tile] = (accumulate: +=) scale * row r of h [64, tile_f] (from a "cols" gate/up, column r of h^T [tile_f, 8])
     @ Wd[slice c, d tile], for every d tile of D, as
     y^T [tile_d, 8] = Wd^T @ (rows 0..7 of h)^T (the gather_matmul orientation: D channels are wgmma's M side)
     and column r of it picked in registers (a masked row sum), so one [tile_d] row goes through SMEM."""
@@ -183,11 +184,16 @@ def _down_cols(h, h_smem, d_gmem, o_gmem, o_smem, *, p, r, c, scale, t: SwigluTi
         y = jnp.sum(jnp.where(col == r, yt, 0.0), axis=1)  # [td]: the pair's row
         if scale is not None:
             y = y * scale
+        dst = o_gmem.at[p, pl.ds(j * t.tile_d, t.tile_d)]  # [td] f32
+        if accumulate and interpret:  # the interpreter has no TMA reductions; it runs one CTA at a time
+            dst[...] = dst[...] + y
+            return
         slot = o_smem.at[jax.lax.rem(j, 2)]  # [td] f32
         plgpu.wait_smem_to_gmem(1, wait_read_only=True)  # the store that read this slot two steps ago
         slot[...] = y
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(slot, o_gmem.at[p, pl.ds(j * t.tile_d, t.tile_d)])
+        # accumulate: a TMA reduce-add (each element's add is atomic), the other pairs' and slices' adds in any order
+        plgpu.copy_smem_to_gmem(slot, dst, reduction_op="add" if accumulate else None)
 
     plgpu.emit_pipeline(step, grid=(steps,), in_specs=[w_spec], max_concurrent_steps=t.stages)(d_gmem)
     plgpu.wait_smem_to_gmem(0)
@@ -241,10 +247,11 @@ def _zero_row(o_gmem, o_smem, *, p, t: SwigluTiling):
 
 
 def _kernel(experts_ref, valid_ref, offset_ref, weights_ref, x_gmem, g_gmem, u_gmem, d_gmem, o_gmem, o_smem,
-            *h_smem, t: SwigluTiling, weighted, interpret):
+            *h_smem, t: SwigluTiling, weighted, accumulate, interpret):
     # experts_ref [T, k] i32 global expert ids; valid_ref [T] i32; offset_ref [1] i32 (the first local expert);
     # weights_ref [T, k] f32 routing weights (read only when `weighted`);
-    # x_gmem [T, D], or padded [Tp, D]; g_gmem, u_gmem [E, D, F]; d_gmem [E, F, D]; o_gmem [S, k, T, D] f32;
+    # x_gmem [T, D], or padded [Tp, D]; g_gmem, u_gmem [E, D, F]; d_gmem [E, F, D]; o_gmem [S, k, T, D] f32, or
+    # (accumulate) the residual [T, D] f32 that every pair adds its weighted row into;
     # o_smem [2, tile_d] f32 ("cols", with h_smem [64, tile_f]) or [2, 64, tile_d] f32.
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
@@ -254,7 +261,7 @@ def _kernel(experts_ref, valid_ref, offset_ref, weights_ref, x_gmem, g_gmem, u_g
     row0 = token // _ROW_ALIGN * _ROW_ALIGN
 
     live = (valid_ref[token] != 0) & (expert >= 0) & (expert < g_gmem.shape[0])
-    if weighted:  # the caller sums the parts as they are: skipped pairs write zeros
+    if weighted and not accumulate:  # the caller sums the parts as they are: skipped pairs write zeros
         pl.when(~live)(functools.partial(_zero_row, o_gmem.at[c, slot], o_smem, p=token, t=t))
 
     @pl.when(live)
@@ -266,7 +273,9 @@ def _kernel(experts_ref, valid_ref, offset_ref, weights_ref, x_gmem, g_gmem, u_g
         h = _silu_times(g, u).astype(x_gmem.dtype)  # [64, tf] ("cols": h^T [tf, 8]), in registers
         scale = weights_ref[token, slot] if weighted else None
         down = dict(p=token, r=token - row0, c=c, scale=scale, t=t, interpret=interpret)
-        if t.down == "cols":
+        if accumulate:
+            _down_cols(h, h_smem[0], d_gmem.at[expert], o_gmem, o_smem, accumulate=True, **down)
+        elif t.down == "cols":
             _down_cols(h, h_smem[0], d_gmem.at[expert], o_gmem.at[c, slot], o_smem, **down)
         else:
             _down_rows(h, d_gmem.at[expert], o_gmem.at[c, slot], o_smem, **down)
@@ -275,13 +284,21 @@ def _kernel(experts_ref, valid_ref, offset_ref, weights_ref, x_gmem, g_gmem, u_g
 @functools.partial(jax.jit, static_argnames=("tiling", "interpret", "pad_rows"))
 def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array, experts: jax.Array,
                    valid: jax.Array | None = None, expert_offset: jax.Array | int = 0,
-                   weights: jax.Array | None = None, *, tiling: SwigluTiling | None = None,
-                   interpret: bool = False, pad_rows: bool | None = None) -> jax.Array:
+                   weights: jax.Array | None = None, residual: jax.Array | None = None, *,
+                   tiling: SwigluTiling | None = None, interpret: bool = False,
+                   pad_rows: bool | None = None) -> jax.Array:
     """[F / tile_f, k, T, D] float32 partial sums of each token's k SwiGLU experts (module docstring): x [T, D],
     experts [T, k] global ids of which the weights hold expert_offset .. + E - 1, valid [T] bool (None: all).
     Without `weights`, slots of invalid tokens or of experts held elsewhere are left unwritten (mask them); with
     routing weights [T, k], each pair's rows are scaled by its weight and those slots hold zeros, so the MoE output
-    is the plain sum over the two leading axes. pad_rows: x padded to a multiple of 8 rows always (True), or only
+    is the plain sum over the two leading axes.
+
+    With `weights` and a `residual` [T, D] float32 the result is residual + the MoE output, [T, D] float32: every
+    pair adds its weighted rows into the residual's buffer with TMA reduce-add stores (skipped pairs add nothing),
+    so no [S, k, T, D] parts are written and no reduction kernel follows. The adds land in
+    any order, so the float32 sum may differ in its last bits from run to run. The down projection must be "cols".
+
+    pad_rows: x padded to a multiple of 8 rows always (True), or only
     where Mosaic's TMA tiling asks for it (None: T over 8 and not a multiple of it; below 8 rows the x tile's TMA
     fills the rows past T with zeros). Not padding a 2-row decode bucket took a kernel out of each MoE layer: one
     H200, Qwen3-30B-A3B's batch-1 loop 3.243 / 3.242 -> 3.198 / 3.201 ms an iteration, 837 -> 789 launches
@@ -300,6 +317,12 @@ def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
     valid = jnp.ones((tokens,), jnp.int32) if valid is None else valid.astype(jnp.int32)
     offset = jnp.reshape(jnp.asarray(expert_offset, jnp.int32), (1,))
     weighted = weights is not None
+    accumulate = residual is not None
+    if accumulate and (not weighted or t.down != "cols" or residual.shape != (tokens, d)
+                       or residual.dtype != jnp.float32):
+        raise ValueError(f"an accumulating call takes routing weights, a 'cols' down projection and a float32 residual "
+                         f"[{tokens}, {d}]; got weights {weighted}, down {t.down!r}, residual "
+                         f"{residual.shape} {residual.dtype}")
     weights = jnp.zeros((tokens, top_k), jnp.float32) if weights is None else weights.astype(jnp.float32)
     if t.down == "cols":
         scratch = [plgpu.SMEM((2, t.tile_d), jnp.float32),
@@ -307,11 +330,17 @@ def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
                               transforms=_transforms(x.dtype, t.tile_f))]
     else:
         scratch = [plgpu.SMEM((2, _ROWS, t.tile_d), jnp.float32)]
-    return plgpu.kernel(
-        functools.partial(_kernel, t=t, weighted=weighted, interpret=bool(interpret)),
-        out_type=jax.ShapeDtypeStruct((f // t.tile_f, top_k, tokens, d), jnp.float32),
+    operands = (experts.astype(jnp.int32), valid, offset, weights, x, w_gate, w_up, w_down)
+    launch = functools.partial(
+        plgpu.kernel,
+        functools.partial(_kernel, t=t, weighted=weighted, accumulate=accumulate, interpret=bool(interpret)),
         scratch_types=scratch,
         grid=(top_k, tokens, f // t.tile_f), grid_names=("s", "t", "c"), kernel_name="gather_matmul_swiglu",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
-        interpret=_interpret_params(interpret),
-    )(experts.astype(jnp.int32), valid, offset, weights, x, w_gate, w_up, w_down)
+        interpret=_interpret_params(interpret))
+    if not accumulate:
+        return launch(out_type=jax.ShapeDtypeStruct((f // t.tile_f, top_k, tokens, d), jnp.float32))(*operands)
+    import jax.experimental.pallas as pl
+
+    # The residual goes in as a Ref the kernel writes: its buffer is the kernel's output (aliased, updated in place).
+    return pl.run_state(lambda out_ref: launch(out_type=())(*operands, out_ref))(residual.astype(jnp.float32))

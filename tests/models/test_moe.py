@@ -9,6 +9,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxinfer.models import moe
+
 from jaxinfer.models.moe import (PAIR_PATH_MAX_PAIRS, MoEWeights, PairKernel, expert_token_counts, moe_block, moe_partial,
                                  route)
 from moe_reference import reference_moe, reference_routing
@@ -257,3 +259,14 @@ def _check_gpu_pair_kernel(interpret: bool, d: int, f: int, e: int, t: int, top_
         ours = np.asarray(ours, np.float32)
         assert np.isfinite(ours).all() and not ours[real:].any()
         assert np.linalg.norm(ours - ref) / np.linalg.norm(ref) < 1e-2
+    # Handed the layer's residual, the block returns residual + output; the fused kernel adds its rows into it.
+    residual = (n(t, d) * 0.5).astype(jnp.bfloat16)
+    want = residual.astype(jnp.float32) + ref
+    assert moe.accumulates(fused, x, w, t * top_k) and not moe.accumulates(masked, x, w, t * top_k)
+    for kernel in (fused, dataclasses.replace(fused, swiglu_accumulates=False), None):
+        ours, _ = moe_block(x, w, top_k=top_k, norm_topk_prob=True, valid=valid, pair_kernel=kernel,
+                            residual=residual)
+        assert ours.dtype == residual.dtype
+        ours = np.asarray(ours, np.float32)
+        np.testing.assert_array_equal(ours[real:], np.asarray(residual, np.float32)[real:])  # padding: nothing added
+        assert np.linalg.norm(ours - want) / np.linalg.norm(want) < 1e-2

@@ -1,7 +1,8 @@
 """The fused MoE SwiGLU kernel's weighted form (gpu_swiglu.swiglu_experts(..., weights=)): each pair's rows scaled by
 its routing weight, the rows of the pairs it skips (padding tokens, experts held elsewhere) written as zeros, so the
-sum over the two leading axes is the MoE output with no mask. Checked against a float64 oracle on fresh random
-inputs: in interpret mode on CPU (fresh memory NaN-filled, so an unwritten row shows) and on a GPU."""
+sum over the two leading axes is the MoE output with no mask; and its accumulating form (residual=), which adds those
+rows into a float32 residual instead. Checked against a float64 oracle on fresh random inputs: in interpret mode on
+CPU (fresh memory NaN-filled, so an unwritten row shows) and on a GPU."""
 
 from __future__ import annotations
 
@@ -80,6 +81,50 @@ def test_weighted_swiglu_in_interpret_mode_matches_oracle(rng, name):
     _check(parts, want, live)
 
 
+def _check_accumulated(got, residual, want):
+    """got [T, D] float32 = residual + the MoE output: every token's row, skipped pairs adding nothing."""
+    got = np.asarray(got, np.float64)
+    assert got.shape == residual.shape and np.isfinite(got).all()
+    moe = got - residual
+    rel = np.linalg.norm(moe - want) / np.linalg.norm(want)
+    assert rel < 1e-2, rel
+    idle = ~np.asarray(want).any(axis=1)  # padding tokens: the residual comes back as it went in
+    np.testing.assert_array_equal(got[idle], residual[idle])
+
+
+ACCUMULATE_CASES = [name for name, case in CASES.items() if case[-1] is None or case[-1].down == "cols"]
+
+
+@pytest.mark.parametrize("name", ACCUMULATE_CASES)
+def test_accumulating_swiglu_in_interpret_mode_matches_oracle(rng, name):
+    """residual + the MoE output, [T, D] float32, with no parts array: the kernel adds each live pair's weighted
+    rows into the residual's buffer."""
+    tokens, top_k, groups, offset, d, f, tiling = CASES[name]
+    experts, weights, valid = _routing(rng, tokens, top_k, groups, offset)
+    x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.bfloat16)
+    wg, wu, wd = _weights(jax.random.key(int(rng.integers(2**31))), groups, d, f)
+    residual = rng.standard_normal((tokens, d)).astype(np.float32)
+    got = gpu_swiglu.swiglu_experts(x, wg, wu, wd, jnp.asarray(experts), jnp.asarray(valid), offset,
+                                    jnp.asarray(weights), jnp.asarray(residual), tiling=tiling, interpret=True)
+    want, live = _oracle(x, wg, wu, wd, experts, weights, valid, offset)
+    assert 0 < live.sum() < live.size
+    _check_accumulated(got, residual, want)
+
+
+def test_accumulating_swiglu_checks_its_operands():
+    x = jnp.zeros((2, 256), jnp.bfloat16)
+    wg, wd = jnp.zeros((4, 256, 128), jnp.bfloat16), jnp.zeros((4, 128, 256), jnp.bfloat16)
+    experts, weights = jnp.zeros((2, 2), jnp.int32), jnp.ones((2, 2), jnp.float32)
+    residual = jnp.zeros((2, 256), jnp.float32)
+    with pytest.raises(ValueError, match="routing weights"):  # no weights to scale the rows by
+        gpu_swiglu.swiglu_experts(x, wg, wg, wd, experts, None, 0, None, residual, interpret=True)
+    with pytest.raises(ValueError, match=r"float32 residual \[2, 256\]"):
+        gpu_swiglu.swiglu_experts(x, wg, wg, wd, experts, None, 0, weights, residual[:1], interpret=True)
+    with pytest.raises(ValueError, match="'cols' down"):
+        gpu_swiglu.swiglu_experts(x, wg, wg, wd, experts, None, 0, weights, residual, interpret=True,
+                                  tiling=gpu_swiglu.SwigluTiling(stages=2, down="rows"))
+
+
 def test_weighted_swiglu_lowers_for_cuda():
     x = jax.ShapeDtypeStruct((2, 2048), jnp.bfloat16)
     wg, wd = jax.ShapeDtypeStruct((8, 2048, 768), jnp.bfloat16), jax.ShapeDtypeStruct((8, 768, 2048), jnp.bfloat16)
@@ -125,3 +170,23 @@ def test_gpu_weighted_swiglu_unpadded_rows(rng, tokens):
                                       jnp.asarray(weights))
     want, live = _oracle(x, wg, wu, wd, experts, weights, valid, 0)
     _check(parts, want, live)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tiling", [None, gpu_swiglu.SwigluTiling(tile_f=128, tile_k=64, tile_d=128, stages=3),
+                                    gpu_swiglu.SwigluTiling(gate_up="cols", stages=5)], ids=str)
+@pytest.mark.parametrize("tokens, offset", [(1, 0), (2, 0), (10, 0), (16, 32)])
+def test_gpu_accumulating_swiglu_at_qwen3_decode(rng, tokens, offset, tiling):
+    """The TMA reduce-add stores at Qwen3-30B-A3B's expert shapes: residual + every live pair's weighted rows, from
+    all 12 (or 6) slices of F and 8 slots, against the float64 oracle; the residual's buffer is not the caller's."""
+    d, f, groups = 2048, 768, 128
+    experts, weights, valid = _routing(rng, tokens, 8, groups, offset)
+    x = jax.random.normal(jax.random.key(int(rng.integers(2**31))), (tokens, d), jnp.bfloat16)
+    wg, wu, wd = _weights(jax.random.key(int(rng.integers(2**31))), groups, d, f)
+    residual = rng.standard_normal((tokens, d)).astype(np.float32)
+    residual_dev = jnp.asarray(residual)
+    got = gpu_swiglu.swiglu_experts(x, wg, wu, wd, jnp.asarray(experts), jnp.asarray(valid), offset,
+                                    jnp.asarray(weights), residual_dev, tiling=tiling)
+    want, _ = _oracle(x, wg, wu, wd, experts, weights, valid, offset)
+    _check_accumulated(got, residual, want)
+    np.testing.assert_array_equal(np.asarray(residual_dev), residual)  # the caller's array is unchanged
