@@ -75,6 +75,30 @@ def _split_output_projection(attn: jax.Array, wo: Any, linear: Any, splits: int)
     return qwen3.split_k_product(attn.reshape(t, n * h), wo.reshape(n * h, wo.shape[-1]), splits)  # [T, D]
 
 
+def _skinny_output_projection(attn: jax.Array, wo: Any, linear: Any, splits: int) -> jax.Array:
+    """attn [T, N, H] @ wo [N, H, D] by pallas_kernels.skinny_matmul's S partials, summed (the tree's elsewhere)."""
+    from jaxinfer.models import common
+    from pallas_kernels.skinny_matmul import gpu as skinny
+
+    t, n, h = attn.shape
+    x = attn.reshape(t, n * h)  # [T, N*H]
+    w = wo.reshape(n * h, wo.shape[-1]) if isinstance(wo, jax.Array) else None  # [N*H, D]; None: quantized
+    if w is None or not skinny.takes(x, w, splits):
+        return common.output_projection(attn, wo, linear)
+    return skinny.skinny_matmul(x, w, splits=splits).sum(axis=0).astype(attn.dtype)  # [S, T, D] -> [T, D]
+
+
+def _skinny_qkv_parts(x: jax.Array, wq: Any, linear: Any, splits: int, saved: Callable) -> jax.Array:
+    """The joined q/k/v product's partials for norm_rope_write from pallas_kernels.skinny_matmul (the tree's
+    elsewhere)."""
+    from pallas_kernels.skinny_matmul import gpu as skinny
+
+    w = getattr(wq, "w", None)
+    if isinstance(w, jax.Array) and skinny.takes(x, w, splits):
+        return skinny.skinny_matmul(x, w, splits=splits)  # [S, T, W] float32
+    return saved(x, wq, linear)
+
+
 def _pair_kernel(runner: Any, **changes: Any) -> None:
     """The runner's MoE block with its pair kernel's fields changed (e.g. select_top_k=None: XLA's top-k)."""
     import dataclasses
@@ -119,7 +143,8 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
            weighted: bool = True, attention_splits: int | None = None, merge: bool = True,
            kv_kernel: bool = False, qkv_split_k: int = 0, pad_rows: bool | None = True,
            o_split_k: int = 0, routing_warps: int = 4, merge_warps: int = 4, norm_rope_write: bool = False,
-           swiglu_tiling: Any = None, norm_router: tuple[int, int] | None = None, accumulate: bool = False) -> None:
+           swiglu_tiling: Any = None, norm_router: tuple[int, int] | None = None, accumulate: bool = False,
+           skinny_o: int = 0, skinny_qkv: int = 0, skinny: bool = False) -> None:
     """The tree's code with the named pieces (False) put back as they were before this script's sessions, or with
     a combine it tried ("slices", "s_then_k"), or the attention's split count forced."""
     from jaxinfer.models import common, moe, qwen3
@@ -127,6 +152,9 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
     # The joined q/k/v product of decode-sized steps with K split this many ways (qwen3.QKV_SPLIT_K, 4 in the tree
     # since the 29th session; 0, the default here, is the one product of the variants before it).
     qwen3.QKV_SPLIT_K = qkv_split_k
+    # The q/k/v product and the output projection (into a float32 residual stream) by the skinny_matmul kernel
+    # (qwen3.SKINNY, on in the tree since the 35th session; False, the default here: XLA's products).
+    qwen3.SKINNY = "gpu" if skinny else None
     # The MLP norm and the router's product of decode steps as one kernel, at (router rows a program, warps)
     # (moe.NORM_ROUTER, on in the tree since the 34th session; None, the default here: XLA's two kernels).
     from pallas_kernels.moe_routing import norm_router as nr
@@ -149,6 +177,10 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
         _fresh_attention()
     if o_split_k:  # the output projection as o_split_k float32 partial products over slices of K, summed
         qwen3.output_projection = functools.partial(_split_output_projection, splits=o_split_k)
+    if skinny_o:  # the output projection by the skinny_matmul kernel in skinny_o partials, summed by XLA
+        qwen3.output_projection = functools.partial(_skinny_output_projection, splits=skinny_o)
+    if skinny_qkv:  # norm_rope_write's q/k/v partials from the skinny_matmul kernel
+        qwen3._qkv_parts = functools.partial(_skinny_qkv_parts, splits=skinny_qkv, saved=qwen3._qkv_parts)
     if combine != "tree":
         moe._combine_parts = {"slices": _slices_combine_parts, "s_then_k": _s_then_k_combine_parts}[combine]
     if not qk:
@@ -208,6 +240,20 @@ VARIANTS: dict[str, Callable[[Any], None]] = {
     # The tree since the 35th session: "nr" with the expert kernel adding its rows into the residual (no combine).
     "acc": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4),
                              accumulate=True),
+    # The tree since the 35th session's second change: "acc" with q/k/v and the output projection by the skinny_matmul
+    # kernel, the latter adding into a float32 residual stream (no residual-add kernel).
+    "sk": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4),
+                            accumulate=True, skinny=True),
+    # "acc" with the output projection, or the q/k/v product, by the skinny_matmul kernel (Mosaic GPU), the output
+    # projection's partials summed by XLA with the residual (the in-loop measurement that chose the kernel).
+    "acc_sko4": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4),
+                                  accumulate=True, skinny_o=4),
+    "acc_sko8": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4),
+                                  accumulate=True, skinny_o=8),
+    "acc_skqkv4": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4),
+                                    accumulate=True, skinny_qkv=4),
+    "acc_skqkv8": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4),
+                                    accumulate=True, skinny_qkv=8),
     "nr_r32": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(32, 4)),
     "nr_r128": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(128, 8)),
     "cols_k256": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True,
@@ -272,7 +318,7 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
 
     from pallas_kernels.moe_routing import norm_router as nr
 
-    saved_nr = (moe.NORM_ROUTER, nr.ROWS_PER_PROGRAM, nr.NUM_WARPS)
+    saved_nr = (moe.NORM_ROUTER, nr.ROWS_PER_PROGRAM, nr.NUM_WARPS, qwen3._qkv_parts, qwen3.SKINNY)
     saved = (moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv,
              qwen3.QKV_SPLIT_K, qwen3.output_projection, moe_routing._pallas_gpu, moe_routing.NUM_WARPS,
              decode_merge.merge_decode_splits, decode_merge.NUM_WARPS, common.NORM_ROPE_WRITE)
@@ -322,7 +368,7 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
      qwen3.QKV_SPLIT_K, qwen3.output_projection, moe_routing._pallas_gpu, moe_routing.NUM_WARPS,
      decode_merge.merge_decode_splits, decode_merge.NUM_WARPS, common.NORM_ROPE_WRITE) = saved
     attention_gpu.ragged_paged_attention = _SAVED_ATTENTION[0]
-    moe.NORM_ROUTER, nr.ROWS_PER_PROGRAM, nr.NUM_WARPS = saved_nr
+    moe.NORM_ROUTER, nr.ROWS_PER_PROGRAM, nr.NUM_WARPS, qwen3._qkv_parts, qwen3.SKINNY = saved_nr
     return {"variant": name, "ms_per_iteration": ms_iter, "compile_s": compile_s, "source": source,
             "launches_per_iteration": launches, "kernel_ms_per_iteration": kernel_ms, "first_tokens": tokens[0],
             "kernels": [{"name": n[:100], "per_iteration": c / iters, "us_per_iteration": ms * 1e3 / iters}

@@ -320,15 +320,17 @@ NORM_ROUTER: str | None = "gpu"
 
 def normed_router_input(x: jax.Array, norm_weight: jax.Array, w: MoEWeights, eps: float,
                         moe_fn: MoEFn) -> tuple[jax.Array, jax.Array | None]:
-    """A MoE layer's input: (RMSNorm(x) [T, D], the router's logits of it as [P, T, E] float32 partials, or None).
+    """A MoE layer's input: (RMSNorm(x) [T, D] in the norm weight's dtype, the router's logits of it as [P, T, E]
+    float32 partials, or None).
     Both come from the norm_router kernel where it serves: NORM_ROUTER's backend, a `moe_fn` that takes the logits
     (one device's whole MoE block), a float router and the kernel's shapes; otherwise the norm alone, and the block
     computes the logits."""
     mode = NORM_ROUTER
+    dtype = norm_weight.dtype  # the activations' (x may be a float32 residual stream)
     if mode is None or (mode == "gpu" and jax.default_backend() != "gpu") or not takes_logits(moe_fn):
-        return rms_norm(x, norm_weight, eps), None
-    router = w.router.astype(x.dtype)
+        return rms_norm(x, norm_weight, eps).astype(dtype), None
+    router = w.router.astype(dtype)
     if not norm_router.takes(x, norm_weight, router, norm_router.ROWS_PER_PROGRAM):
-        return rms_norm(x, norm_weight, eps), None
+        return rms_norm(x, norm_weight, eps).astype(dtype), None
     return norm_router.norm_router(x, norm_weight, router, eps=eps, rows_per_program=norm_router.ROWS_PER_PROGRAM,
                                    num_warps=norm_router.NUM_WARPS, interpret=mode == "interpret")

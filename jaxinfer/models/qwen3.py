@@ -59,6 +59,7 @@ from jaxinfer.models.moe import (MoEFn, MoEWeights, moe_block, moe_specs, normed
 from jaxinfer.params import Init, ParamSpec
 from jaxinfer.sharding import Logical as L
 from pallas_kernels import moe_routing
+from pallas_kernels.skinny_matmul import gpu as skinny
 
 @struct.dataclass
 class DenseMLP:
@@ -163,6 +164,43 @@ QKV_SPLIT_K_MAX_TOKENS = 8
 QKV_SPLIT_K_MAX_IN = 2048
 
 
+# On a GPU, decode steps (at most skinny_matmul.MAX_TOKENS tokens) of a model at most SKINNY_MAX_HIDDEN wide that take
+# norm_rope_write (float weights, one device) compute the joined q/k/v product and the output projection with the
+# skinny_matmul kernel (Mosaic GPU, up to SKINNY_SPLITS slices of K), and the output projection adds into a float32
+# residual stream: XLA's sum of its split product and the residual add, a kernel a layer, goes. One H200,
+# Qwen3-30B-A3B's batch-1 loop: q/k/v 7.2 -> 6.7 us, the output projection 6.3 -> 5.8 us a layer
+# (docs/PERFORMANCE.md, "thirty-fifth session"). "interpret": the kernel interpreted (tests); None: XLA's products.
+SKINNY: str | None = "gpu"
+SKINNY_SPLITS = 8
+SKINNY_MAX_HIDDEN = 2048
+
+
+def skinny_plan(x: jax.Array, w: Any) -> tuple[int, Any] | None:
+    """(splits, tiling) where the skinny_matmul kernel computes x [T, K] @ w [K, N] for this model (SKINNY), else
+    None. The caller asks only on norm_rope_write's path, so one device holds the whole weight."""
+    if SKINNY is None or (SKINNY == "gpu" and jax.default_backend() != "gpu") or not isinstance(w, jax.Array):
+        return None
+    plan = skinny.plan(w.shape[0], w.shape[-1], SKINNY_SPLITS) if w.ndim == 2 else None
+    if plan is None or not skinny.takes(x, w, *plan) or min(x.shape[1], w.shape[1]) > SKINNY_MAX_HIDDEN:
+        return None
+    return plan
+
+
+def _skinny_product(x: jax.Array, w: jax.Array, residual: jax.Array | None = None) -> jax.Array:
+    """skinny_matmul by skinny_plan: [S, T, N] float32 partials, or residual + x @ w [T, N] float32."""
+    splits, tiling = skinny_plan(x, w)
+    return skinny.skinny_matmul(x, w, residual, splits=splits, tiling=tiling, interpret=SKINNY == "interpret")
+
+
+def f32_residual(layer: Any, x: jax.Array, k_pages: Any, attn_fn: AttentionFn) -> bool:
+    """Whether a step's residual stream is float32 from the embedding on: the first layer's output projection adds
+    into it (skinny_plan on norm_rope_write's path; the other layers are alike). x: the embedded tokens [T, D]."""
+    wo = layer.wo
+    t, (n, h, d) = x.shape[0], getattr(wo, "shape", (0, 0, 0))
+    return (isinstance(wo, jax.Array) and takes_norm_rope_write(layer.wq, x, k_pages, attn_fn, layer.q_norm.shape[0])
+            and skinny_plan(jax.ShapeDtypeStruct((t, n * h), x.dtype), wo.reshape(n * h, d)) is not None)
+
+
 def split_k_product(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
     """x [T, K] @ w [K, N] as `splits` float32 partial products over slices of K, summed: [T, N] in x.dtype. The
     partials are the MoE router's split product (any [K, N] weight takes it)."""
@@ -210,6 +248,8 @@ def normed_qkv(layer: Qwen3Layer, x: jax.Array, eps: float,
 def _qkv_parts(x: jax.Array, wq: FusedColumns, linear: Linear) -> jax.Array:
     """x [T, D] -> the joined q/k/v product as partials [S, T, (N + 2K) * H] for the kernel to sum: normed_qkv's
     split product unsummed (float32), or S = 1, the one product in x's dtype."""
+    if skinny_plan(x, wq.w) is not None:
+        return _skinny_product(x, wq.w)  # [S, T, W] float32
     if _takes_split_k(x, wq):
         return moe_routing.split_router_logits(x, wq.w, QKV_SPLIT_K)  # [S, T, W] float32
     return joined_projection(x, wq, L.Q_HEADS, linear, split=False)[None]  # [1, T, W]
@@ -225,17 +265,25 @@ def attention_block(
     eps: float,
     attn_fn: AttentionFn,
     linear: Linear = DEFAULT_LINEAR,
+    residual: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """x [T, D] the normed input -> (the attention's output [T, D], or residual + it given the residual, the layer's
+    updated pages). Where the skinny kernel takes the output projection (decode on a GPU), it adds into a float32
+    copy of the residual (a no-op copy where the stream is float32 already, f32_residual), and the sum is float32."""
     if takes_norm_rope_write(layer.wq, x, k_pages, attn_fn, layer.q_norm.shape[0]):  # decode on a GPU: one kernel
         attn, k_pages, v_pages = norm_rope_attention(_qkv_parts(x, layer.wq, linear), layer.wq, layer.q_norm,
                                                      layer.k_norm, eps, md, inv_freq, k_pages, v_pages, attn_fn)
-        return output_projection(attn, layer.wo, linear), k_pages, v_pages  # [T, D]
-    q, k, v = normed_qkv(layer, x, eps, linear)  # [T, N|K, H], q and k normed over H per head
-    q = apply_rope(q, md.positions, inv_freq)
-    k = apply_rope(k, md.positions, inv_freq)
-    attn, k_pages, v_pages = attn_fn(q, k, v, k_pages, v_pages, md)  # [T, N, H]
+        t, n, h = attn.shape
+        wo = layer.wo.reshape(n * h, -1) if isinstance(layer.wo, jax.Array) else None  # [N*H, D]
+        if residual is not None and skinny_plan(attn.reshape(t, n * h), wo) is not None:
+            return _skinny_product(attn.reshape(t, n * h), wo, residual.astype(jnp.float32)), k_pages, v_pages
+    else:
+        q, k, v = normed_qkv(layer, x, eps, linear)  # [T, N|K, H], q and k normed over H per head
+        q = apply_rope(q, md.positions, inv_freq)
+        k = apply_rope(k, md.positions, inv_freq)
+        attn, k_pages, v_pages = attn_fn(q, k, v, k_pages, v_pages, md)  # [T, N, H]
     out = output_projection(attn, layer.wo, linear)  # [T, D]
-    return out, k_pages, v_pages
+    return (out if residual is None else residual + out), k_pages, v_pages
 
 
 def feed_forward(layer: Qwen3Layer, h: jax.Array, x: jax.Array, cfg: ModelConfig, valid: jax.Array, moe_fn: MoEFn,
@@ -263,11 +311,11 @@ def decoder_layer(layer: Qwen3Layer, x: jax.Array, k_pages: jax.Array, v_pages: 
                   linear: Linear) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """x [T, D] -> (x [T, D], the layer's updated pages, tokens per expert [E]) after attention + MLP or MoE."""
     eps = cfg.rms_norm_eps
-    h = rms_norm(x, layer.attn_norm, eps)
-    attn_out, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, inv_freq, eps, attn_fn, linear)
-    x = x + attn_out
+    # The residual stream x may be float32 (f32_residual); the norms hand the products the weights' dtype.
+    h = rms_norm(x, layer.attn_norm, eps).astype(layer.attn_norm.dtype)
+    x, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, inv_freq, eps, attn_fn, linear, residual=x)
     if layer.moe is None:
-        h, logits = rms_norm(x, layer.mlp_norm, eps), None
+        h, logits = rms_norm(x, layer.mlp_norm, eps).astype(layer.mlp_norm.dtype), None
     else:  # decode steps on a GPU: the norm and the router's product in one kernel
         h, logits = normed_router_input(x, layer.mlp_norm, layer.moe, eps, moe_fn)
     x, counts = feed_forward(layer, h, x, cfg, valid, moe_fn, linear, logits)
@@ -295,6 +343,8 @@ def forward(
     eps = cfg.rms_norm_eps
     inv_freq = rope_inv_freq(cfg.head_size, cfg.rope_theta, cfg)
     x = embed_lookup(weights.embed, token_ids, weights.final_norm.dtype, linear)  # [T, D]
+    if weights.layers and f32_residual(weights.layers[0], x, kv_cache.k[0], attn_fn):
+        x = x.astype(jnp.float32)  # every layer then takes and gives the same dtype: one trace of each kind
     valid = valid_tokens(md, x.shape[0])  # [T]
     run_layer = layer_program(decoder_layer, cfg=cfg, attn_fn=attn_fn, moe_fn=moe_fn, linear=linear)
     new_k, new_v, counts = [], [], no_expert_counts(cfg)
@@ -303,7 +353,7 @@ def forward(
         new_k.append(k_pages)
         new_v.append(v_pages)
         counts = counts + layer_counts
-    x = rms_norm(x, weights.final_norm, eps)
+    x = rms_norm(x, weights.final_norm, eps).astype(weights.final_norm.dtype)
     return x, KVCache(k=tuple(new_k), v=tuple(new_v)), counts
 
 

@@ -2,7 +2,8 @@
 
     h [T, D], logits [P, T, E] float32 = norm_router(x [T, D], weight [D], router [D, E], eps=eps)
 
-h is models.common.rms_norm(x, weight, eps) (float32 arithmetic, rounded to x's dtype); the logits are h @ router
+h is models.common.rms_norm(x, weight, eps) (float32 arithmetic, rounded to the router's dtype: x may be a float32
+residual stream, qwen3.f32_residual); the logits are h @ router
 as P partial products over consecutive slices of D (the 16-bit products exact in float32, summed in float32), the
 form the routing kernel (moe_routing.top_k_routing) takes and sums. Program p norms every token's row (its sum of
 squares over all of D: 4 KB a token, cheap), stores its slice of h and multiplies that slice by its rows of the
@@ -15,7 +16,8 @@ router product, split 32 ways over D (1.87 us), as two kernels that each move a 
 experts instead (each program a [D, 8] column slice of the router: 16 bytes of every 256-byte row), it took
 6.9-8.1 us.
 
-Triton blocks are powers of two, so the kernel takes a power-of-two D and E, 16-bit x and router of one dtype, and
+Triton blocks are powers of two, so the kernel takes a power-of-two D and E, a 16-bit router, x of its dtype or
+float32, and
 at most MAX_TOKENS tokens (`takes`).
 """
 
@@ -45,19 +47,21 @@ def takes(x: jax.Array, weight: jax.Array, router: jax.Array, rows_per_program: 
     if x.ndim != 2 or router.ndim != 2 or weight.shape != (x.shape[1],) or router.shape[0] != x.shape[1]:
         return False
     d, e = router.shape
-    return (x.dtype in (jnp.bfloat16, jnp.float16) and router.dtype == x.dtype and _pow2(d) and _pow2(e)
+    return (router.dtype in (jnp.bfloat16, jnp.float16) and x.dtype in (router.dtype, jnp.float32)
+            and _pow2(d) and _pow2(e)
             and _pow2(rows_per_program) and rows_per_program <= d and rows_per_program * e <= _MAX_BLOCK
             and 1 <= x.shape[0] <= MAX_TOKENS)
 
 
 def reference(x: jax.Array, weight: jax.Array, router: jax.Array, eps: float,
               rows_per_program: int = ROWS_PER_PROGRAM) -> tuple[jax.Array, jax.Array]:
-    """The specification in jnp: (h [T, D] in x's dtype, logits [D / rows_per_program, T, E] float32 partials)."""
+    """The specification in jnp: (h [T, D] in the router's dtype, logits [D / rows_per_program, T, E] float32
+    partials)."""
     x32 = x.astype(jnp.float32)
     inv = jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)  # [T, 1]
-    h = (x32 * inv * weight.astype(jnp.float32)).astype(x.dtype)  # [T, D]
+    h = (x32 * inv * weight.astype(jnp.float32)).astype(router.dtype)  # [T, D]
     splits = x.shape[1] // rows_per_program
-    return h, split_router_logits(h, router.astype(x.dtype), splits)  # [P, T, E]
+    return h, split_router_logits(h, router, splits)  # [P, T, E]
 
 
 def _kernel(x_ref, w_ref, r_ref, h_ref, logits_ref, *, eps: float, rows: int):
@@ -84,20 +88,21 @@ def _kernel(x_ref, w_ref, r_ref, h_ref, logits_ref, *, eps: float, rows: int):
 def norm_router(x: jax.Array, weight: jax.Array, router: jax.Array, *, eps: float,
                 rows_per_program: int = ROWS_PER_PROGRAM, num_warps: int = NUM_WARPS,
                 interpret: bool = False) -> tuple[jax.Array, jax.Array]:
-    """(h [T, D] in x's dtype, logits [D / rows_per_program, T, E] float32 partials) for x [T, D], the norm's weight
-    [D] and the router [D, E] (module docstring)."""
+    """(h [T, D] in the router's dtype, logits [D / rows_per_program, T, E] float32 partials) for x [T, D] (16-bit,
+    or a float32 residual stream), the norm's weight [D] and the router [D, E] (module docstring)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as plt
 
     if not takes(x, weight, router, rows_per_program):
-        raise ValueError(f"norm_router takes 16-bit x [T <= {MAX_TOKENS}, D] and a router [D, E] of its dtype with a "
+        raise ValueError(f"norm_router takes x [T <= {MAX_TOKENS}, D] and a 16-bit router [D, E] of x's dtype (or x "
+                         f"float32) with a "
                          f"power-of-two D and E, D at least {rows_per_program}; got x {x.shape} {x.dtype}, weight "
                          f"{weight.shape}, router {router.shape} {router.dtype}")
     num_tokens, d = x.shape
     splits = d // rows_per_program
     return pl.pallas_call(
         functools.partial(_kernel, eps=float(eps), rows=rows_per_program),
-        out_shape=(jax.ShapeDtypeStruct((num_tokens, d), x.dtype),
+        out_shape=(jax.ShapeDtypeStruct((num_tokens, d), router.dtype),
                    jax.ShapeDtypeStruct((splits, num_tokens, router.shape[1]), jnp.float32)),
         grid=(splits,),
         compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),

@@ -30,7 +30,7 @@ def check_case(x, weight, router, interpret: bool, **tuning) -> None:
     h, logits = nr.norm_router(x, weight, router, eps=1e-6, interpret=interpret, **tuning)
     rows = tuning.get("rows_per_program", nr.ROWS_PER_PROGRAM)
     want_h, want_logits = nr.reference(x, weight, router, 1e-6, rows)
-    assert h.dtype == x.dtype and h.shape == x.shape and logits.dtype == jnp.float32
+    assert h.dtype == router.dtype and h.shape == x.shape and logits.dtype == jnp.float32
     assert logits.shape == want_logits.shape == (x.shape[1] // rows, *x.shape[:1], router.shape[1])
     got, want = np.asarray(h, np.float64), np.asarray(want_h, np.float64)
     ulp = np.abs(want) * 2.0 ** -7 + 1e-30  # a bf16 ulp is at most |v| * 2^-7
@@ -48,11 +48,19 @@ def test_interpreted_kernel_matches_the_reference(tokens: int, d: int, e: int, r
     check_case(*random_case(tokens + d + e, tokens, d, e), interpret=True, rows_per_program=rows)
 
 
+def test_interpreted_kernel_takes_a_float32_residual_stream() -> None:
+    """x float32 (qwen3.f32_residual's stream), the router bf16: h comes out bf16, normed from the float32 rows."""
+    x, w, r = random_case(3, 2, 256, 64)
+    x = x.astype(jnp.float32) + jnp.asarray(np.random.default_rng(3).standard_normal(x.shape) * 1e-3, jnp.float32)
+    check_case(x, w, r, interpret=True)
+
+
 def test_takes_and_refuses_what_it_cannot_run() -> None:
     x, w, r = random_case(0, 2, 256, 64)
     assert nr.takes(x, w, r)
-    assert not nr.takes(x.astype(jnp.float32), w, r.astype(jnp.float32))  # 16-bit only
-    assert not nr.takes(x, w, r.astype(jnp.float16))  # one dtype
+    assert nr.takes(x.astype(jnp.float32), w, r)  # a float32 residual stream into a 16-bit router
+    assert not nr.takes(x.astype(jnp.float32), w, r.astype(jnp.float32))  # a 16-bit router only
+    assert not nr.takes(x, w, r.astype(jnp.float16))  # 16-bit x of the router's dtype
     x3, w3, r3 = random_case(0, 2, 96, 64)  # D not a power of two
     assert not nr.takes(x3, w3, r3)
     assert not nr.takes(*random_case(0, 2, 256, 96))  # E not a power of two
