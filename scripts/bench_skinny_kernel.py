@@ -18,35 +18,22 @@ from __future__ import annotations
 import argparse
 import collections
 import json
-import time
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from jaxinfer.bench.measure import device_events
+from pallas_kernels import moe_routing
 from pallas_kernels.skinny_matmul import gpu as skinny
+from scripts.bench_skinny_gemm import copy_rate
 
 SHAPES = {"qwen3moe_qkv": (2048, 5120), "qwen3moe_o": (4096, 2048), "llama8b_o": (4096, 4096)}
 MIN_BYTES = 400 * 2**20
 
 
-def copy_rate(gib: float = 2.0, reps: int = 20) -> float:
-    """Bytes read + written per second by an elementwise pass over a `gib` GiB bf16 array."""
-    x = jnp.ones((int(gib * 2**30) // 2,), jnp.bfloat16)
-    f = jax.jit(lambda a: a + jnp.bfloat16(1))
-    f(x).block_until_ready()
-    t = time.perf_counter()
-    for _ in range(reps):
-        y = f(x)
-    y.block_until_ready()
-    return 2 * x.size * 2 * reps / (time.perf_counter() - t)
-
-
 def candidates(tilings: list[skinny.SkinnyTiling], splits: list[int]) -> dict[str, tuple[Callable, bool]]:
     """name -> (product, chained through a residual)."""
-    from jaxinfer.models.qwen3 import moe_routing
-
     out: dict[str, tuple[Callable, bool]] = {
         "xla": (lambda x, w: jnp.einsum("tk,kn->tn", x, w), False),  # [T, K] x [K, N] -> [T, N]
         "xla_split4": (lambda x, w: moe_routing.split_router_logits(x, w, 4), False),  # [4, T, N] f32
@@ -113,9 +100,10 @@ def main() -> None:
                 except Exception as e:  # noqa: BLE001 - a tiling the kernel does not take is reported
                     print(f"{shape:14s} M={m} {name:28s} error {type(e).__name__}: {str(e)[:160]}")
                     continue
-                r.update(shape=shape, m=m, k=k, n=n, candidate=name, pct_of_copy_rate=100 * k * n * 2 / rate / (r["us"] * 1e-6))
+                pct = 100 * k * n * 2 / rate / (r["us"] * 1e-6)
+                r.update(shape=shape, m=m, k=k, n=n, candidate=name, pct_of_copy_rate=pct)
                 rows.append(r)
-                print(f"{shape:14s} M={m} {name:28s} {r['us']:7.2f} us  {r['pct_of_copy_rate']:5.1f}%  {r['kernels'][:2]}")
+                print(f"{shape:14s} M={m} {name:28s} {r['us']:7.2f} us  {pct:5.1f}%  {r['kernels'][:2]}")
                 if args.out:
                     with open(args.out, "w") as f:
                         json.dump({"device": jax.devices()[0].device_kind, "copy_bytes_per_s": rate, "rows": rows}, f,

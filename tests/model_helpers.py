@@ -125,14 +125,19 @@ def dense_reference_logits(w, cfg: ModelConfig, ids: list[int]) -> np.ndarray:
     return x @ head
 
 
-def run_chunks(runner: ModelRunner, ids: list[int], chunk: int, pages: list[int]) -> np.ndarray:
-    """Feed `ids` in chunks of `chunk` tokens; logits of the last token of each chunk, stacked."""
-    shape = BatchShape(tokens=32, seqs=4, pages_per_seq=16)
+def run_chunks(runner: ModelRunner, ids: list[int], chunk: int, pages: list[int],
+               shape: BatchShape = BatchShape(tokens=32, seqs=4, pages_per_seq=16)) -> np.ndarray:
+    """Feed `ids` in chunks of `chunk` tokens (in buckets of `shape`); logits of the last token of each chunk,
+    stacked."""
     out = []
     for start in range(0, len(ids), chunk):
         batch = pack([SeqChunk(ids[start : start + chunk], start, pages)], shape, runner.kv_cache.page_size)
         out.append(np.asarray(runner.logits(runner.place(batch)))[0])
     return np.stack(out)
+
+
+# A decode-sized bucket (8 tokens): the steps that take the GPU decode kernels (norm_router, skinny_matmul, ...).
+DECODE_SHAPE = BatchShape(tokens=8, seqs=2, pages_per_seq=8)
 
 
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:

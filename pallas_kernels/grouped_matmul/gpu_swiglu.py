@@ -34,9 +34,10 @@ combine is a plain sum (at batch 1 that takes the combine's mask fusion out of e
 slot-major ([k, T]), so the combine's sum over slices and slots is over the two leading axes (no transpose).
 
 The caller sums the S = F / tile_f partials in the reduction that weights and adds the k slots of each token,
-so the kernel needs no cross-CTA reduction. 16-bit weights only (`supported`); quantized experts keep the
-three-launch `gather_matmul` path. Interpret mode (CPU) computes step 3's product with a plain dot: the
-interpreter's wgmma reads only SMEM operands.
+so the kernel needs no cross-CTA reduction. Or, given a float32 residual as well as the weights, the kernel adds each
+row into the residual with a TMA reduce-add store (the memory system does the cross-CTA sum) and writes no parts.
+16-bit weights only (`supported`); quantized experts keep the three-launch `gather_matmul` path. Interpret mode (CPU)
+computes step 3's product with a plain dot: the interpreter's wgmma reads only SMEM operands.
 """
 
 from __future__ import annotations
@@ -156,8 +157,8 @@ def _gate_up(acc_g, acc_u, x_gmem, g_gmem, u_gmem, *, row0, c, t: SwigluTiling):
 
 def _down_cols(h, h_smem, d_gmem, o_gmem, o_smem, *, p, r, c, scale, t: SwigluTiling, interpret,
                accumulate=False):
-    """o_gmem[p, d tile] = (accumulate: +=) scale * row r of h [64, tile_f] (from a "cols" gate/up, column r of h^T [tile_f, 8])
-    @ Wd[slice c, d tile], for every d tile of D, as
+    """o_gmem[p, d tile] = (accumulate: +=) scale * row r of h [64, tile_f] (from a "cols" gate/up, column r of
+    h^T [tile_f, 8]) @ Wd[slice c, d tile], for every d tile of D, as
     y^T [tile_d, 8] = Wd^T @ (rows 0..7 of h)^T (the gather_matmul orientation: D channels are wgmma's M side)
     and column r of it picked in registers (a masked row sum), so one [tile_d] row goes through SMEM."""
     import jax.experimental.pallas as pl
@@ -185,7 +186,7 @@ def _down_cols(h, h_smem, d_gmem, o_gmem, o_smem, *, p, r, c, scale, t: SwigluTi
         if scale is not None:
             y = y * scale
         dst = o_gmem.at[p, pl.ds(j * t.tile_d, t.tile_d)]  # [td] f32
-        if accumulate and interpret:  # the interpreter has no TMA reductions; it runs one CTA at a time
+        if accumulate and interpret:  # the interpreter has no TMA reductions; it runs the CTAs one after another
             dst[...] = dst[...] + y
             return
         slot = o_smem.at[jax.lax.rem(j, 2)]  # [td] f32
@@ -295,14 +296,15 @@ def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
 
     With `weights` and a `residual` [T, D] float32 the result is residual + the MoE output, [T, D] float32: every
     pair adds its weighted rows into the residual's buffer with TMA reduce-add stores (skipped pairs add nothing),
-    so no [S, k, T, D] parts are written and no reduction kernel follows. The adds land in
-    any order, so the float32 sum may differ in its last bits from run to run. The down projection must be "cols".
+    so no [S, k, T, D] parts are written and no reduction kernel follows. The adds land in any order, so the float32
+    sum may differ in its last bits from run to run. The down projection must be "cols". In the batch-1 decode loop
+    of Qwen3-30B-A3B on an H200 the combine's kernel left each layer: 2.935 -> 2.819 ms an iteration of device time
+    (docs/benchmarks/moe_b1_accumulate_h200_2026-11-29.json).
 
-    pad_rows: x padded to a multiple of 8 rows always (True), or only
-    where Mosaic's TMA tiling asks for it (None: T over 8 and not a multiple of it; below 8 rows the x tile's TMA
-    fills the rows past T with zeros). Not padding a 2-row decode bucket took a kernel out of each MoE layer: one
-    H200, Qwen3-30B-A3B's batch-1 loop 3.243 / 3.242 -> 3.198 / 3.201 ms an iteration, 837 -> 789 launches
-    (docs/benchmarks/moe_b1_nopad_h200_2026-11-29.json)."""
+    pad_rows: x padded to a multiple of 8 rows always (True), or only where Mosaic's TMA tiling asks for it (None: T
+    over 8 and not a multiple of it; below 8 rows the x tile's TMA fills the rows past T with zeros). Not padding a
+    2-row decode bucket took a kernel out of each MoE layer: one H200, Qwen3-30B-A3B's batch-1 loop 3.243 / 3.242 ->
+    3.198 / 3.201 ms an iteration, 837 -> 789 launches (docs/benchmarks/moe_b1_nopad_h200_2026-11-29.json)."""
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     if not supported(x, w_gate, w_up, w_down):

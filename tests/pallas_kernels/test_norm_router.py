@@ -9,10 +9,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
 from jaxinfer.models import QWEN3_MOE, moe
 from jaxinfer.models.fused import fuse_projections
-from model_helpers import build_runner, rel_err, tiny_qwen3_moe
+from model_helpers import DECODE_SHAPE, build_runner, rel_err, run_chunks, tiny_qwen3_moe
 from pallas_kernels.moe_routing import norm_router as nr
 
 
@@ -71,12 +70,7 @@ def test_takes_and_refuses_what_it_cannot_run() -> None:
 
 def decode_logits(runner, ids: list[int]) -> np.ndarray:
     """The last logits of each decode-sized chunk of 3 tokens of `ids` (one sequence, pages 1-4)."""
-    shape = BatchShape(tokens=8, seqs=2, pages_per_seq=8)
-    out = []
-    for start in range(0, len(ids), 3):
-        batch = pack([SeqChunk(ids[start:start + 3], start, [1, 2, 3, 4])], shape, runner.kv_cache.page_size)
-        out.append(np.asarray(runner.logits(runner.place(batch)), np.float32)[0])
-    return np.stack(out)
+    return run_chunks(runner, ids, 3, [1, 2, 3, 4], DECODE_SHAPE)
 
 
 def check_model(monkeypatch, mode: str, attention_impl: str = "reference") -> None:

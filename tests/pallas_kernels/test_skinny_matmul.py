@@ -12,7 +12,7 @@ import pytest
 
 from jaxinfer.models import QWEN3, QWEN3_MOE, common, moe, qwen3
 from jaxinfer.models.fused import fuse_projections
-from model_helpers import build_runner, rel_err, tiny_qwen3_dense, tiny_qwen3_moe
+from model_helpers import DECODE_SHAPE, build_runner, rel_err, run_chunks, tiny_qwen3_dense, tiny_qwen3_moe
 from pallas_kernels import skinny_matmul
 from pallas_kernels.skinny_matmul import gpu as skinny
 
@@ -76,15 +76,8 @@ def test_lowers_for_cuda_with_the_residual_aliased() -> None:
 
 
 def decode_logits(runner, ids: list[int]) -> np.ndarray:
-    """The last logits of each 3-token chunk of `ids` (one sequence, pages 1-4)."""
-    from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
-
-    shape = BatchShape(tokens=8, seqs=2, pages_per_seq=8)
-    out = []
-    for start in range(0, len(ids), 3):
-        batch = pack([SeqChunk(ids[start:start + 3], start, [1, 2, 3, 4])], shape, runner.kv_cache.page_size)
-        out.append(np.asarray(runner.logits(runner.place(batch)), np.float32)[0])
-    return np.stack(out)
+    """The last logits of each decode-sized chunk of 3 tokens of `ids` (one sequence, pages 1-4)."""
+    return run_chunks(runner, ids, 3, [1, 2, 3, 4], DECODE_SHAPE)
 
 
 def check_model(monkeypatch, family, make_cfg, mode: str) -> None:
