@@ -10,7 +10,6 @@ import numpy as np
 import pytest
 
 from jaxinfer.models import moe
-
 from jaxinfer.models.moe import (PAIR_PATH_MAX_PAIRS, MoEWeights, PairKernel, expert_token_counts, moe_block, moe_partial,
                                  route)
 from moe_reference import reference_moe, reference_routing
