@@ -192,13 +192,17 @@ def _skinny_product(x: jax.Array, w: jax.Array, residual: jax.Array | None = Non
     return skinny.skinny_matmul(x, w, residual, splits=splits, tiling=tiling, interpret=SKINNY == "interpret")
 
 
+def _output_weight(wo: Any) -> jax.Array | None:
+    """wo [N, H, D] as the output projection's [N*H, D] matrix (a free reshape), or None for quantized weights."""
+    return wo.reshape(-1, wo.shape[-1]) if isinstance(wo, jax.Array) else None
+
+
 def f32_residual(layer: Any, x: jax.Array, k_pages: Any, attn_fn: AttentionFn) -> bool:
     """Whether a step's residual stream is float32 from the embedding on: the first layer's output projection adds
     into it (skinny_plan on norm_rope_write's path; the other layers are alike). x: the embedded tokens [T, D]."""
-    wo = layer.wo
-    t, (n, h, d) = x.shape[0], getattr(wo, "shape", (0, 0, 0))
-    return (isinstance(wo, jax.Array) and takes_norm_rope_write(layer.wq, x, k_pages, attn_fn, layer.q_norm.shape[0])
-            and skinny_plan(jax.ShapeDtypeStruct((t, n * h), x.dtype), wo.reshape(n * h, d)) is not None)
+    wo = _output_weight(layer.wo)  # [N*H, D]
+    return (wo is not None and takes_norm_rope_write(layer.wq, x, k_pages, attn_fn, layer.q_norm.shape[0])
+            and skinny_plan(jax.ShapeDtypeStruct((x.shape[0], wo.shape[0]), x.dtype), wo) is not None)
 
 
 def split_k_product(x: jax.Array, w: jax.Array, splits: int) -> jax.Array:
@@ -274,9 +278,9 @@ def attention_block(
         attn, k_pages, v_pages = norm_rope_attention(_qkv_parts(x, layer.wq, linear), layer.wq, layer.q_norm,
                                                      layer.k_norm, eps, md, inv_freq, k_pages, v_pages, attn_fn)
         t, n, h = attn.shape
-        wo = layer.wo.reshape(n * h, -1) if isinstance(layer.wo, jax.Array) else None  # [N*H, D]
-        if residual is not None and skinny_plan(attn.reshape(t, n * h), wo) is not None:
-            return _skinny_product(attn.reshape(t, n * h), wo, residual.astype(jnp.float32)), k_pages, v_pages
+        flat, wo = attn.reshape(t, n * h), _output_weight(layer.wo)  # [T, N*H], [N*H, D]
+        if residual is not None and skinny_plan(flat, wo) is not None:
+            return _skinny_product(flat, wo, residual.astype(jnp.float32)), k_pages, v_pages
     else:
         q, k, v = normed_qkv(layer, x, eps, linear)  # [T, N|K, H], q and k normed over H per head
         q = apply_rope(q, md.positions, inv_freq)
