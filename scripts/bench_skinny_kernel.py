@@ -40,7 +40,7 @@ def candidates(tilings: list[skinny.SkinnyTiling], splits: list[int]) -> dict[st
         "xla_residual": (lambda x, w, r: r + jnp.einsum("tk,kn->tn", x, w, preferred_element_type=jnp.float32), True),
     }
     for t in tilings:
-        tag = f"n{t.tile_n}k{t.tile_k}"
+        tag = f"n{t.tile_n}k{t.tile_k}x{t.stages}"
         for s in splits:
             out[f"skinny_s{s}_{tag}"] = (lambda x, w, s=s, t=t: skinny.skinny_matmul(x, w, splits=s, tiling=t), False)
             out[f"skinny_acc_s{s}_{tag}"] = (
@@ -79,7 +79,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, nargs="+", default=[2])
     p.add_argument("--shapes", nargs="+", default=list(SHAPES))
     p.add_argument("--splits", type=int, nargs="+", default=[2, 4, 8])
-    p.add_argument("--tilings", nargs="+", default=["64x128", "64x64"], help="tile_n x tile_k")
+    p.add_argument("--tilings", nargs="+", default=["64x128x4", "64x256x3", "64x64x6"],
+                   help="tile_n x tile_k x stages")
     p.add_argument("--only", nargs="*", default=None, help="candidate names to run (default: all)")
     p.add_argument("--out", default=None)
     args = p.parse_args()

@@ -60,7 +60,6 @@ from jaxinfer.params import Init, ParamSpec
 from jaxinfer.sharding import Logical as L
 from pallas_kernels import moe_routing
 from pallas_kernels.skinny_matmul import gpu as skinny
-from pallas_kernels.skinny_matmul import norm as skinny_norm
 
 @struct.dataclass
 class DenseMLP:
@@ -174,11 +173,6 @@ QKV_SPLIT_K_MAX_IN = 2048
 SKINNY: str | None = "gpu"
 SKINNY_SPLITS = 8
 SKINNY_MAX_HIDDEN = 2048
-# On that path, programmatic dependent launch (pallas_kernels.dependent_launch): each skinny product requests its
-# weight before it waits for the kernel in front, and the kernels in front let it start at once (the attention
-# norm in front of q/k/v as a Pallas Triton kernel, skinny_matmul.norm, where XLA's fusion could not; the decode
-# merge in front of the output projection), so the weights stream while those run.
-SKINNY_PDL = True
 
 
 def skinny_plan(x: jax.Array, w: Any) -> tuple[int, Any] | None:
@@ -195,24 +189,12 @@ def skinny_plan(x: jax.Array, w: Any) -> tuple[int, Any] | None:
 def _skinny_product(x: jax.Array, w: jax.Array, residual: jax.Array | None = None) -> jax.Array:
     """skinny_matmul by skinny_plan: [S, T, N] float32 partials, or residual + x @ w [T, N] float32."""
     splits, tiling = skinny_plan(x, w)
-    return skinny.skinny_matmul(x, w, residual, splits=splits, tiling=tiling, pdl=SKINNY_PDL,
-                                interpret=SKINNY == "interpret")
+    return skinny.skinny_matmul(x, w, residual, splits=splits, tiling=tiling, interpret=SKINNY == "interpret")
 
 
 def _output_weight(wo: Any) -> jax.Array | None:
     """wo [N, H, D] as the output projection's [N*H, D] matrix (a free reshape), or None for quantized weights."""
     return wo.reshape(-1, wo.shape[-1]) if isinstance(wo, jax.Array) else None
-
-
-def attention_input(layer: Qwen3Layer, x: jax.Array, eps: float) -> jax.Array:
-    """The attention's RMSNorm of the residual stream x [T, D], in the weights' dtype: where the stream is float32
-    on skinny_matmul's path (f32_residual) and SKINNY_PDL, by the skinny norm kernel, which lets the q/k/v product
-    behind it start at once."""
-    w = layer.attn_norm
-    on = SKINNY == "interpret" or (SKINNY == "gpu" and jax.default_backend() == "gpu")
-    if on and SKINNY_PDL and x.dtype == jnp.float32 and w.dtype != x.dtype and skinny_norm.takes(x, w):
-        return skinny_norm.rms_norm(x, w, eps=eps, interpret=SKINNY == "interpret")
-    return rms_norm(x, w, eps).astype(w.dtype)
 
 
 def f32_residual(layer: Any, x: jax.Array, k_pages: Any, attn_fn: AttentionFn) -> bool:
@@ -334,7 +316,7 @@ def decoder_layer(layer: Qwen3Layer, x: jax.Array, k_pages: jax.Array, v_pages: 
     """x [T, D] -> (x [T, D], the layer's updated pages, tokens per expert [E]) after attention + MLP or MoE."""
     eps = cfg.rms_norm_eps
     # The residual stream x may be float32 (f32_residual); the norms hand the products the weights' dtype.
-    h = attention_input(layer, x, eps)
+    h = rms_norm(x, layer.attn_norm, eps).astype(layer.attn_norm.dtype)
     x, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, inv_freq, eps, attn_fn, linear, residual=x)
     if layer.moe is None:
         h, logits = rms_norm(x, layer.mlp_norm, eps).astype(layer.mlp_norm.dtype), None

@@ -25,14 +25,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.dependent_launch import released_zero
-
 # One program's [S, H] slice is summed in float32 registers; past this many elements it would spill.
 _MAX_SLICE = 8192
 NUM_WARPS = 4  # per program (read when the kernel is traced)
-# Each program starts with griddepcontrol.launch_dependents (pallas_kernels.dependent_launch), so a kernel behind
-# launched with PDL starts at once (read when the kernel is traced; not in interpret mode).
-RELEASE_DEPENDENTS = True
 
 
 def _pow2(n: int) -> bool:
@@ -44,15 +39,13 @@ def takes(num_splits: int, head_dim: int) -> bool:
     return num_splits > 1 and _pow2(num_splits) and _pow2(head_dim) and num_splits * head_dim <= _MAX_SLICE
 
 
-def _kernel(end_ref, lse_ref, o_ref, out_ref, *, scale: float, release: bool):
+def _kernel(end_ref, lse_ref, o_ref, out_ref, *, scale: float):
     # end_ref [1] i32: tokens from it on are padding; lse_ref [S] f32, o_ref [S, H]: one q row's splits;
     # out_ref [H].
     import jax.experimental.pallas as pl
 
     token = pl.program_id(1)
-    # With `release` the output projection behind (skinny_matmul, launched with PDL) may start streaming its weight
-    # now: the trigger's zero goes into the first load's index.
-    lse = lse_ref[pl.ds(released_zero(), lse_ref.shape[0])] if release else lse_ref[...]  # [S]
+    lse = lse_ref[...]  # [S]
     weights = jnp.exp2(lse - jnp.max(lse))  # [S]; empty splits (lse -1e30) weigh 0
     acc = jnp.sum(weights[:, None] * o_ref[...].astype(jnp.float32), axis=0)  # [H]
     out = acc / jnp.sum(weights)
@@ -74,7 +67,7 @@ def merge_decode_splits(o_parts: jax.Array, lse_parts: jax.Array, real_end: jax.
         raise ValueError(f"the decode merge takes power-of-two splits and head dims with splits x head dim <= "
                          f"{_MAX_SLICE}, got {num_splits} splits of head dim {head_dim}")
     return pl.pallas_call(
-        functools.partial(_kernel, scale=float(scale), release=RELEASE_DEPENDENTS and not interpret),
+        functools.partial(_kernel, scale=float(scale)),
         out_shape=jax.ShapeDtypeStruct((num_tokens, kv_heads, group, head_dim), o_parts.dtype),
         grid=(kv_heads, num_tokens, group),
         in_specs=[pl.BlockSpec((1,), lambda k, t, g: (0,)),

@@ -37,26 +37,24 @@ from pallas_kernels.grouped_matmul.gpu import _ROW_ALIGN, _interpret_params, _tr
 MAX_TOKENS = _ROW_ALIGN  # the x block's rows: one 8-row TMA tile
 
 
-MAX_STEPS = 8  # K steps a CTA holds at once: 8 x ([128, 64] + [8, 128]) bf16 tiles = 144 KB of SMEM
-
-
 @dataclasses.dataclass(frozen=True)
 class SkinnyTiling:
     tile_n: int = 64  # output channels per CTA: wgmma's M side is 64
-    tile_k: int = 128  # K per step
+    tile_k: int = 128  # K per pipeline step
+    stages: int = 4  # pipeline depth
 
 
 def plan(k: int, n: int, most_splits: int) -> tuple[int, SkinnyTiling] | None:
     """(splits, tiling) for a [K, N] weight: 128-wide K steps where K allows (64 otherwise), and the most K slices
-    up to `most_splits` (a power of two) that K divides into whole steps; None where N is not a multiple of 64, K
-    of 64, or a slice would be more than MAX_STEPS steps."""
+    up to `most_splits` (a power of two) that K divides into whole steps; None where N is not a multiple of 64 or
+    K of 64."""
     if n % 64 or k % 64:
         return None
     t = SkinnyTiling(tile_k=128 if k % 128 == 0 else 64)
     splits = 1
     while splits * 2 <= most_splits and k % (splits * 2 * t.tile_k) == 0:
         splits *= 2
-    return (splits, t) if k // (splits * t.tile_k) <= MAX_STEPS else None
+    return splits, t
 
 
 def takes(x, w, splits: int, t: SkinnyTiling = SkinnyTiling()) -> bool:
@@ -67,42 +65,38 @@ def takes(x, w, splits: int, t: SkinnyTiling = SkinnyTiling()) -> bool:
         return False
     k, n = w.shape
     return (x.dtype in (jnp.bfloat16, jnp.float16) and w.dtype == x.dtype and 1 <= x.shape[0] <= MAX_TOKENS
-            and k % (splits * t.tile_k) == 0 and k // (splits * t.tile_k) <= MAX_STEPS and n % t.tile_n == 0)
+            and k % (splits * t.tile_k) == 0 and n % t.tile_n == 0)
 
 
-def _kernel(x_gmem, w_gmem, o_gmem, x_smem, w_smem, x_bars, w_bars, o_smem, *, t: SkinnyTiling, k_steps: int,
-            accumulate: bool, pdl: bool, interpret: bool):
+def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, t: SkinnyTiling, k_steps: int, accumulate: bool, interpret: bool):
     # x_gmem [T, K]; w_gmem [K, N]; o_gmem [S, T, N] f32 partials, or (accumulate) the residual [T, N] f32;
-    # x_smem [steps, 8, tile_k] and w_smem [steps, tile_k, tile_n] (swizzled; a CTA holds its whole slice of K);
-    # x_bars / w_bars: one barrier a step; o_smem [T, tile_n] f32 (unswizzled: its rows go out in one TMA store).
+    # o_smem [T, tile_n] f32 (unswizzled: its rows go out in one TMA store).
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
     ks, ni = jax.lax.axis_index("k"), jax.lax.axis_index("n")
-    k0 = ks * (k_steps * t.tile_k)
-    cols = pl.ds(ni * t.tile_n, t.tile_n)
-    # The weight is a parameter, written by no kernel of the step: its tiles are requested before the wait for the
-    # kernel in front (PDL), so they stream while that kernel finishes.
-    for k in range(k_steps):
-        plgpu.copy_gmem_to_smem(w_gmem.at[pl.ds(k0 + k * t.tile_k, t.tile_k), cols], w_smem.at[k], w_bars.at[k])
-    if pdl and not interpret:
-        plgpu.griddepcontrol_wait()  # x, and the residual, are the kernel in front's: wait until it has finished
-    rows = pl.ds(ks * 0, _ROW_ALIGN)  # rows 0..7 at a traced offset: the TMA fills rows past T with zeros
-    for k in range(k_steps):
-        plgpu.copy_gmem_to_smem(x_gmem.at[rows, pl.ds(k0 + k * t.tile_k, t.tile_k)], x_smem.at[k], x_bars.at[k])
+    lag = min(1, k_steps - 1)  # one wgmma stays in flight; its slots are released a step late
 
     def product(acc_ref):
-        for k in range(k_steps):
-            plgpu.barrier_wait(w_bars.at[k])
-            plgpu.barrier_wait(x_bars.at[k])
-            plgpu.wgmma(acc_ref, w_smem.at[k].T, x_smem.at[k].T)  # [tn, tk] (M-major A) @ [tk, 8]
-        return acc_ref[...]  # waits for the wgmmas
+        x_spec = plgpu.BlockSpec((pl.Element(_ROW_ALIGN), t.tile_k), lambda k: (0, ks * k_steps + k),
+                                 transforms=_transforms(x_gmem.dtype, t.tile_k), delay_release=lag)  # rows 0..7
+        w_spec = plgpu.BlockSpec((t.tile_k, t.tile_n), lambda k: (ks * k_steps + k, ni),
+                                 transforms=_transforms(w_gmem.dtype, t.tile_n), delay_release=lag)
+
+        def step(_, x_smem, w_smem):
+            plgpu.wgmma(acc_ref, w_smem.T, x_smem.T)  # [tn, tk] (M-major A) @ [tk, 8]
+            plgpu.wgmma_wait(lag)
+
+        plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=[x_spec, w_spec],
+                            max_concurrent_steps=t.stages)(x_gmem, w_gmem)
+        return acc_ref[...]  # waits for the last wgmma
 
     acc = pl.run_scoped(product, plgpu.ACC((t.tile_n, _ROW_ALIGN), jnp.float32))  # [tn, 8]: column j is token j
     col = plgpu.broadcasted_iota(jnp.int32, acc.shape, 1, layout=plgpu.Layout.WGMMA)
     tokens = o_smem.shape[0]
     for j in range(tokens):
         o_smem.at[j][...] = jnp.sum(jnp.where(col == j, acc, 0.0), axis=1)  # [tn]: token j's row
+    cols = pl.ds(ni * t.tile_n, t.tile_n)
     dst = o_gmem.at[:, cols] if accumulate else o_gmem.at[ks, :, cols]  # [T, tn]
     if accumulate and interpret:
         dst[...] = dst[...] + o_smem[...]
@@ -112,9 +106,9 @@ def _kernel(x_gmem, w_gmem, o_gmem, x_smem, w_smem, x_bars, w_bars, o_smem, *, t
     plgpu.wait_smem_to_gmem(0)
 
 
-@functools.partial(jax.jit, static_argnames=("splits", "tiling", "pdl", "interpret"))
+@functools.partial(jax.jit, static_argnames=("splits", "tiling", "interpret"))
 def skinny_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None, *, splits: int,
-                  tiling: SkinnyTiling | None = None, pdl: bool = False, interpret: bool = False) -> jax.Array:
+                  tiling: SkinnyTiling | None = None, interpret: bool = False) -> jax.Array:
     """[S, T, N] float32 partial products of x [T, K] @ w [K, N] over S slices of K, or with a float32 residual
     [T, N], residual + x @ w [T, N] float32 (module docstring)."""
     import jax.experimental.pallas as pl
@@ -123,21 +117,18 @@ def skinny_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None,
     t = tiling or SkinnyTiling()
     if not takes(x, w, splits, t):
         raise ValueError(f"skinny_matmul takes 16-bit x [T <= {MAX_TOKENS}, K] and w [K, N] of its dtype with K a "
-                         f"multiple of splits * tile_k = {splits * t.tile_k} (at most {MAX_STEPS} times that) and N "
-                         f"of {t.tile_n}; got x {x.shape} {x.dtype}, w {w.shape} {w.dtype}")
+                         f"multiple of splits * tile_k = {splits * t.tile_k} and N of {t.tile_n}; got x {x.shape} "
+                         f"{x.dtype}, w {w.shape} {w.dtype}")
     tokens, k = x.shape
     n = w.shape[1]
-    accumulate, k_steps = residual is not None, k // t.tile_k // splits
+    accumulate = residual is not None
     if accumulate and (residual.shape != (tokens, n) or residual.dtype != jnp.float32):
         raise ValueError(f"the residual must be float32 [{tokens}, {n}], got {residual.shape} {residual.dtype}")
     launch = functools.partial(
         plgpu.kernel,
-        functools.partial(_kernel, t=t, k_steps=k_steps, accumulate=accumulate, pdl=bool(pdl),
+        functools.partial(_kernel, t=t, k_steps=k // t.tile_k // splits, accumulate=accumulate,
                           interpret=bool(interpret)),
-        scratch_types=[plgpu.SMEM((k_steps, _ROW_ALIGN, t.tile_k), x.dtype, transforms=_transforms(x.dtype, t.tile_k)),
-                       plgpu.SMEM((k_steps, t.tile_k, t.tile_n), w.dtype, transforms=_transforms(w.dtype, t.tile_n)),
-                       plgpu.Barrier(num_barriers=k_steps), plgpu.Barrier(num_barriers=k_steps),
-                       plgpu.SMEM((tokens, t.tile_n), jnp.float32)],
+        scratch_types=[plgpu.SMEM((tokens, t.tile_n), jnp.float32)],
         grid=(splits, n // t.tile_n), grid_names=("k", "n"), kernel_name="skinny_matmul",
         compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
         interpret=_interpret_params(interpret))
