@@ -194,10 +194,9 @@ def moe_partial(
     if valid is not None:
         mine &= valid[:, None]
     ids = jnp.where(mine, local, e_local).reshape(-1)  # [T*k], sentinel E_local past every group
-    pair_path = _pair_path(pair_kernel, x, w, t * top_k)
-    group_sizes = _group_sizes(ids, e_local, pair_path)  # [E_local]
+    group_sizes = jnp.zeros((e_local,), jnp.int32).at[ids].add(1, mode="drop")  # [E_local]
     weights = jnp.where(mine, routing.weights, 0.0)  # [T, k]
-    if pair_path:
+    if _pair_path(pair_kernel, x, w, t * top_k):
         if pair_kernel.swiglu is not None and pair_kernel.swiglu_takes(x, w.w_gate, w.w_up, w.w_down):
             # The kernel reads the routing as it is and skips other pairs itself: no per-layer mask kernel.
             swiglu = functools.partial(pair_kernel.swiglu, x, w.w_gate, w.w_up, w.w_down, routing.experts, valid,
@@ -218,21 +217,6 @@ def moe_partial(
     inverse = inverse.reshape(t, top_k)  # [T, k]: the sorted row of each (token, slot) pair
     slot_rows = [jnp.take(ys, inverse[:, slot], axis=0) for slot in range(top_k)]  # k x [T, D]
     return _combine(slot_rows, mine, weights), group_sizes
-
-
-# The per-pair path counts its pairs per expert with a compare and a sum, not a scatter-add (COUNT_BY_COMPARE; False:
-# the scatter everywhere). Nothing there reads the counts but the step's statistics, which sum them over the
-# layers: XLA ran the layers' scatters into that sum as 12 scatter kernels and 5 adds an iteration in
-# Qwen3-30B-A3B's batch-1 decode loop, where independent reductions can share kernels.
-COUNT_BY_COMPARE = True
-
-
-def _group_sizes(ids: jax.Array, num_groups: int, pair_path: bool) -> jax.Array:
-    """How many of ids [P] fall in each group [num_groups] int32 (ids == num_groups: none)."""
-    if pair_path and COUNT_BY_COMPARE:
-        groups = jnp.arange(num_groups, dtype=ids.dtype)
-        return jnp.sum(ids[:, None] == groups[None, :], axis=0, dtype=jnp.int32)  # [P, G] -> [G]
-    return jnp.zeros((num_groups,), jnp.int32).at[ids].add(1, mode="drop")
 
 
 def _pair_path(kernel: PairKernel | None, x: jax.Array, w: MoEWeights, pairs: int) -> bool:

@@ -70,15 +70,6 @@ def test_padding_tokens_go_to_no_expert() -> None:
     np.testing.assert_array_equal(np.asarray(counts), np.bincount(experts.ravel(), minlength=E))
 
 
-@pytest.mark.parametrize("pair_path", [True, False])
-def test_group_sizes_by_compare_and_by_scatter_agree(pair_path) -> None:
-    """The per-pair path's compare-and-sum counts (COUNT_BY_COMPARE) and the scatter-add: the same sizes, ids equal
-    to the group count (padding, other devices' experts) in none."""
-    ids = jnp.asarray(np.random.default_rng(2).integers(0, 9, 64), jnp.int32)  # 8 groups and the sentinel 8
-    want = np.bincount(np.asarray(ids), minlength=9)[:8]
-    np.testing.assert_array_equal(np.asarray(moe._group_sizes(ids, 8, pair_path)), want)
-
-
 def test_expert_token_counts() -> None:
     experts = jnp.asarray([[0, 3], [3, 1], [7, 3], [2, 0]], jnp.int32)
     np.testing.assert_array_equal(np.asarray(expert_token_counts(experts, 8)), [2, 1, 1, 3, 0, 0, 0, 1])
