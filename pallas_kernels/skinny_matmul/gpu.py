@@ -106,6 +106,75 @@ def _kernel(x_gmem, w_gmem, o_gmem, o_smem, *, t: SkinnyTiling, k_steps: int, ac
     plgpu.wait_smem_to_gmem(0)
 
 
+_ROWS = 64  # the normed form's wgmma M: the x tile's rows, T of them real
+
+
+def takes_normed(x, norm_weight, w, splits: int, t: SkinnyTiling = SkinnyTiling()) -> bool:
+    """Whether `normed_skinny_matmul` takes a float32 x [T, K], a norm weight [K] and w [K, N] of the weight's
+    16-bit dtype in `splits` K slices."""
+    if not all(isinstance(a, jax.Array | jax.ShapeDtypeStruct) for a in (x, norm_weight, w)):
+        return False
+    return (x.ndim == 2 and x.dtype == jnp.float32 and norm_weight.shape == (x.shape[1],)
+            and norm_weight.dtype == w.dtype and takes(jax.ShapeDtypeStruct(x.shape, w.dtype), w, splits, t))
+
+
+def _normed_kernel(x_gmem, n_gmem, w_gmem, o_gmem, o_smem, *, t: SkinnyTiling, k_steps: int):
+    # x_gmem [T, K] f32 (a residual stream); n_gmem [K] the norm weight; w_gmem [K, N]; o_gmem [S, T, N] f32;
+    # o_smem [64, tile_n] f32. acc [64, tile_n] = bf16(x * n)[64 rows, k slice] @ W[k slice, n tile]: the rows
+    # orientation, x's rows past T zero-filled by the TMA, the scaled rows handed to wgmma from registers.
+    import jax.experimental.pallas as pl
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    ks, ni = jax.lax.axis_index("k"), jax.lax.axis_index("n")
+
+    def product(acc_ref):
+        x_spec = plgpu.BlockSpec((pl.Element(_ROWS), t.tile_k), lambda k: (0, ks * k_steps + k),
+                                 transforms=_transforms(jnp.float32, t.tile_k))
+        n_spec = plgpu.BlockSpec((t.tile_k,), lambda k: (ks * k_steps + k,))
+        w_spec = plgpu.BlockSpec((t.tile_k, t.tile_n), lambda k: (ks * k_steps + k, ni),
+                                 transforms=_transforms(w_gmem.dtype, t.tile_n))
+
+        def step(_, x_smem, n_smem, w_smem):
+            rows = plgpu.load(x_smem, (), layout=plgpu.Layout.WGMMA)  # [64, tk] f32
+            scale = plgpu.load(n_smem, (), layout=plgpu.Layout.WGMMA.reduce(0)).astype(jnp.float32)  # [tk]
+            plgpu.wgmma(acc_ref, (rows * scale[None, :]).astype(w_smem.dtype), w_smem)  # [64, tk] @ [tk, tn]
+            plgpu.wgmma_wait(0)  # the registers' operand is rewritten next step
+
+        plgpu.emit_pipeline(step, grid=(k_steps,), in_specs=[x_spec, n_spec, w_spec],
+                            max_concurrent_steps=min(t.stages, k_steps))(x_gmem, n_gmem, w_gmem)
+        return acc_ref[...]
+
+    o_smem[...] = pl.run_scoped(product, plgpu.ACC((_ROWS, t.tile_n), jnp.float32))  # row j: token j
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_smem.at[pl.ds(0, o_gmem.shape[1])], o_gmem.at[ks, :, pl.ds(ni * t.tile_n, t.tile_n)])
+    plgpu.wait_smem_to_gmem(0)
+
+
+@functools.partial(jax.jit, static_argnames=("splits", "tiling"))
+def normed_skinny_matmul(x: jax.Array, norm_weight: jax.Array, w: jax.Array, *, splits: int,
+                         tiling: SkinnyTiling | None = None) -> jax.Array:
+    """[S, T, N] float32 partial products of bf16(x * norm_weight) @ w over S slices of K, for a float32 residual
+    stream x [T, K]: an RMSNorm's product without its 1/rms, which the caller applies per row (norm_rope_write's
+    `row_norm`), so no kernel of its own norms the rows first. GPU only: the interpreter cannot run wgmma with
+    its A operand in registers (`normed_reference` is the specification)."""
+    import jax.experimental.pallas.mosaic_gpu as plgpu
+
+    t = tiling or SkinnyTiling()
+    if not takes_normed(x, norm_weight, w, splits, t):
+        raise ValueError(f"normed_skinny_matmul takes float32 x [T <= {MAX_TOKENS}, K], a norm weight [K] and w [K, "
+                         f"N] of its 16-bit dtype, K a multiple of splits * tile_k = {splits * t.tile_k} and N of "
+                         f"{t.tile_n}; got x {x.shape} {x.dtype}, weight {norm_weight.shape}, w {w.shape} {w.dtype}")
+    tokens, k = x.shape
+    n = w.shape[1]
+    return plgpu.kernel(
+        functools.partial(_normed_kernel, t=t, k_steps=k // t.tile_k // splits),
+        out_type=jax.ShapeDtypeStruct((splits, tokens, n), jnp.float32),
+        scratch_types=[plgpu.SMEM((_ROWS, t.tile_n), jnp.float32)],
+        grid=(splits, n // t.tile_n), grid_names=("k", "n"), kernel_name="normed_skinny_matmul",
+        compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Warpgroup),
+    )(x, norm_weight, w)
+
+
 @functools.partial(jax.jit, static_argnames=("splits", "tiling", "interpret"))
 def skinny_matmul(x: jax.Array, w: jax.Array, residual: jax.Array | None = None, *, splits: int,
                   tiling: SkinnyTiling | None = None, interpret: bool = False) -> jax.Array:
