@@ -144,7 +144,7 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
            kv_kernel: bool = False, qkv_split_k: int = 0, pad_rows: bool | None = True,
            o_split_k: int = 0, routing_warps: int = 4, merge_warps: int = 4, norm_rope_write: bool = False,
            swiglu_tiling: Any = None, norm_router: tuple[int, int] | None = None, accumulate: bool = False,
-           skinny_o: int = 0, skinny_qkv: int = 0, skinny: bool = False, fold: bool = False) -> None:
+           skinny_o: int = 0, skinny_qkv: int = 0, skinny: bool = False) -> None:
     """The tree's code with the named pieces (False) put back as they were before this script's sessions, or with
     a combine it tried ("slices", "s_then_k"), or the attention's split count forced."""
     from jaxinfer.models import common, moe, qwen3
@@ -155,9 +155,6 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
     # The q/k/v product and the output projection (into a float32 residual stream) by the skinny_matmul kernel
     # (qwen3.SKINNY, on in the tree since the 35th session; False, the default here: XLA's products).
     qwen3.SKINNY = "gpu" if skinny else None
-    # On that path, the attention norm folded into the q/k/v product (qwen3.SKINNY_NORM_FOLD, on in the tree since the
-    # 36th session; False, the default here: XLA's norm kernel, then the product).
-    qwen3.SKINNY_NORM_FOLD = fold
     # The MLP norm and the router's product of decode steps as one kernel, at (router rows a program, warps)
     # (moe.NORM_ROUTER, on in the tree since the 34th session; None, the default here: XLA's two kernels).
     from pallas_kernels.moe_routing import norm_router as nr
@@ -247,9 +244,6 @@ VARIANTS: dict[str, Callable[[Any], None]] = {
     # kernel, the latter adding into a float32 residual stream (no residual-add kernel).
     "sk": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4),
                             accumulate=True, skinny=True),
-    # The tree since the 36th session: "sk" with the attention norm folded into the q/k/v product.
-    "fold": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4),
-                              accumulate=True, skinny=True, fold=True),
     # "acc" with the output projection, or the q/k/v product, by the skinny_matmul kernel (Mosaic GPU), the output
     # projection's partials summed by XLA with the residual (the in-loop measurement that chose the kernel).
     "acc_sko4": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4),
@@ -324,8 +318,7 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
 
     from pallas_kernels.moe_routing import norm_router as nr
 
-    saved_nr = (moe.NORM_ROUTER, nr.ROWS_PER_PROGRAM, nr.NUM_WARPS, qwen3._qkv_parts, qwen3.SKINNY,
-                qwen3.SKINNY_NORM_FOLD)
+    saved_nr = (moe.NORM_ROUTER, nr.ROWS_PER_PROGRAM, nr.NUM_WARPS, qwen3._qkv_parts, qwen3.SKINNY)
     saved = (moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv,
              qwen3.QKV_SPLIT_K, qwen3.output_projection, moe_routing._pallas_gpu, moe_routing.NUM_WARPS,
              decode_merge.merge_decode_splits, decode_merge.NUM_WARPS, common.NORM_ROPE_WRITE)
@@ -375,8 +368,7 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
      qwen3.QKV_SPLIT_K, qwen3.output_projection, moe_routing._pallas_gpu, moe_routing.NUM_WARPS,
      decode_merge.merge_decode_splits, decode_merge.NUM_WARPS, common.NORM_ROPE_WRITE) = saved
     attention_gpu.ragged_paged_attention = _SAVED_ATTENTION[0]
-    (moe.NORM_ROUTER, nr.ROWS_PER_PROGRAM, nr.NUM_WARPS, qwen3._qkv_parts, qwen3.SKINNY,
-     qwen3.SKINNY_NORM_FOLD) = saved_nr
+    moe.NORM_ROUTER, nr.ROWS_PER_PROGRAM, nr.NUM_WARPS, qwen3._qkv_parts, qwen3.SKINNY = saved_nr
     return {"variant": name, "ms_per_iteration": ms_iter, "compile_s": compile_s, "source": source,
             "launches_per_iteration": launches, "kernel_ms_per_iteration": kernel_ms, "first_tokens": tokens[0],
             "kernels": [{"name": n[:100], "per_iteration": c / iters, "us_per_iteration": ms * 1e3 / iters}

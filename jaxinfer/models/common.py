@@ -73,17 +73,13 @@ def takes_norm_rope_write(wq: Any, x: jax.Array, k_pages: Any, attn_fn: Attentio
 
 def norm_rope_attention(parts: jax.Array, wq: FusedColumns, q_norm: jax.Array | None, k_norm: jax.Array | None,
                         eps: float | None, md: AttentionMetadata, inv_freq: jax.Array, k_pages: jax.Array,
-                        v_pages: jax.Array, attn_fn: AttentionFn, rows: jax.Array | None = None,
-                        row_eps: float | None = None) -> tuple[jax.Array, jax.Array, jax.Array]:
+                        v_pages: jax.Array, attn_fn: AttentionFn) -> tuple[jax.Array, jax.Array, jax.Array]:
     """The joined product's partials `parts` [S, T, (N + 2K) * H] -> (attention out [T, N, H], k_pages, v_pages)
-    through the norm_rope_write kernel, where `takes_norm_rope_write` said so; eps None: no QK-norm. `rows`,
-    `row_eps`: the partials are of the unnormed residual rows [T, D] float32, whose RMSNorm's 1/rms the kernel
-    applies (norm_rope_write)."""
+    through the norm_rope_write kernel, where `takes_norm_rope_write` said so; eps None: no QK-norm."""
     head_dim = 2 * inv_freq.shape[0]
     q, k_pages, v_pages = norm_rope_write.norm_rope_write(
         parts, q_norm, k_norm, md.positions, inv_freq, md.slot_mapping, k_pages, v_pages,
-        num_q_heads=wq.widths[0] // head_dim, eps=eps, rows=rows, row_eps=row_eps,
-        interpret=NORM_ROPE_WRITE == "interpret")  # q [T, N, H]
+        num_q_heads=wq.widths[0] // head_dim, eps=eps, interpret=NORM_ROPE_WRITE == "interpret")  # q [T, N, H]
     return attn_fn(q, None, None, k_pages, v_pages, md, written=True)  # k and v are in the pages already
 
 

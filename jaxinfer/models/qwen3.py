@@ -59,7 +59,6 @@ from jaxinfer.models.moe import (MoEFn, MoEWeights, moe_block, moe_specs, normed
 from jaxinfer.params import Init, ParamSpec
 from jaxinfer.sharding import Logical as L
 from pallas_kernels import moe_routing
-from pallas_kernels import skinny_matmul
 from pallas_kernels.skinny_matmul import gpu as skinny
 
 @struct.dataclass
@@ -174,11 +173,6 @@ QKV_SPLIT_K_MAX_IN = 2048
 SKINNY: str | None = "gpu"
 SKINNY_SPLITS = 8
 SKINNY_MAX_HIDDEN = 2048
-# On that path the attention RMSNorm goes into the q/k/v product: the kernel's normed form multiplies the float32
-# residual rows by the norm's weight as it stages them (skinny_matmul.normed_skinny_matmul), and norm_rope_write
-# applies each row's 1/rms to the summed partials, so XLA's norm kernel a layer goes. In "interpret" mode (tests) the
-# normed product is its jnp specification (the interpreter cannot run that kernel; the GPU tests run it).
-SKINNY_NORM_FOLD = True
 
 
 def skinny_plan(x: jax.Array, w: Any) -> tuple[int, Any] | None:
@@ -196,28 +190,6 @@ def _skinny_product(x: jax.Array, w: jax.Array, residual: jax.Array | None = Non
     """skinny_matmul by skinny_plan: [S, T, N] float32 partials, or residual + x @ w [T, N] float32."""
     splits, tiling = skinny_plan(x, w)
     return skinny.skinny_matmul(x, w, residual, splits=splits, tiling=tiling, interpret=SKINNY == "interpret")
-
-
-def folds_attention_norm(layer: Qwen3Layer, x: jax.Array, k_pages: Any, attn_fn: AttentionFn) -> bool:
-    """Whether the layer's attention RMSNorm goes into its q/k/v product (SKINNY_NORM_FOLD): x [T, D] is the float32
-    residual stream (f32_residual) and the normed form takes the joined weight on norm_rope_write's path."""
-    wq, norm = layer.wq, layer.attn_norm
-    if not (SKINNY_NORM_FOLD and x.dtype == jnp.float32 and isinstance(wq, FusedColumns)
-            and isinstance(wq.w, jax.Array) and norm.dtype == wq.w.dtype):
-        return False
-    h = jax.ShapeDtypeStruct(x.shape, norm.dtype)  # the normed rows it stands for
-    plan = skinny_plan(h, wq.w) if takes_norm_rope_write(wq, h, k_pages, attn_fn, layer.q_norm.shape[0]) else None
-    d = x.shape[1]
-    return plan is not None and skinny.takes_normed(x, norm, wq.w, *plan) and d & (d - 1) == 0
-
-
-def _normed_qkv_parts(x: jax.Array, layer: Qwen3Layer) -> jax.Array:
-    """The joined q/k/v product of the residual rows x [T, D] float32 times the attention norm's weight, as the
-    normed form's [S, T, W] float32 partials (folds_attention_norm; without the rows' 1/rms)."""
-    splits, tiling = skinny_plan(jax.ShapeDtypeStruct(x.shape, layer.attn_norm.dtype), layer.wq.w)
-    if SKINNY == "interpret":
-        return skinny_matmul.normed_reference(x, layer.attn_norm, layer.wq.w, splits=splits)
-    return skinny.normed_skinny_matmul(x, layer.attn_norm, layer.wq.w, splits=splits, tiling=tiling)
 
 
 def _output_weight(wo: Any) -> jax.Array | None:
@@ -289,7 +261,7 @@ def _qkv_parts(x: jax.Array, wq: FusedColumns, linear: Linear) -> jax.Array:
 
 def attention_block(
     layer: Qwen3Layer,
-    x: jax.Array | None,
+    x: jax.Array,
     k_pages: jax.Array,
     v_pages: jax.Array,
     md: AttentionMetadata,
@@ -301,15 +273,10 @@ def attention_block(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """x [T, D] the normed input -> (the attention's output [T, D], or residual + it given the residual, the layer's
     updated pages). Where the skinny kernel takes the output projection (decode on a GPU), it adds into a float32
-    copy of the residual (a no-op copy where the stream is float32 already, f32_residual), and the sum is float32.
-    x None: the layer's RMSNorm folds into the q/k/v product (folds_attention_norm of the residual)."""
-    if x is None or takes_norm_rope_write(layer.wq, x, k_pages, attn_fn, layer.q_norm.shape[0]):  # decode on a GPU
-        if x is None:  # the product of the residual rows, each row's 1/rms applied by norm_rope_write
-            parts, rows = _normed_qkv_parts(residual, layer), dict(rows=residual, row_eps=eps)
-        else:
-            parts, rows = _qkv_parts(x, layer.wq, linear), {}
-        attn, k_pages, v_pages = norm_rope_attention(parts, layer.wq, layer.q_norm, layer.k_norm, eps, md, inv_freq,
-                                                     k_pages, v_pages, attn_fn, **rows)
+    copy of the residual (a no-op copy where the stream is float32 already, f32_residual), and the sum is float32."""
+    if takes_norm_rope_write(layer.wq, x, k_pages, attn_fn, layer.q_norm.shape[0]):  # decode on a GPU: one kernel
+        attn, k_pages, v_pages = norm_rope_attention(_qkv_parts(x, layer.wq, linear), layer.wq, layer.q_norm,
+                                                     layer.k_norm, eps, md, inv_freq, k_pages, v_pages, attn_fn)
         t, n, h = attn.shape
         flat, wo = attn.reshape(t, n * h), _output_weight(layer.wo)  # [T, N*H], [N*H, D]
         if residual is not None and skinny_plan(flat, wo) is not None:
@@ -348,10 +315,8 @@ def decoder_layer(layer: Qwen3Layer, x: jax.Array, k_pages: jax.Array, v_pages: 
                   linear: Linear) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
     """x [T, D] -> (x [T, D], the layer's updated pages, tokens per expert [E]) after attention + MLP or MoE."""
     eps = cfg.rms_norm_eps
-    # The residual stream x may be float32 (f32_residual); the norms hand the products the weights' dtype, or the
-    # attention's folds into its q/k/v product (h None).
-    h = None if folds_attention_norm(layer, x, k_pages, attn_fn) else (
-        rms_norm(x, layer.attn_norm, eps).astype(layer.attn_norm.dtype))
+    # The residual stream x may be float32 (f32_residual); the norms hand the products the weights' dtype.
+    h = rms_norm(x, layer.attn_norm, eps).astype(layer.attn_norm.dtype)
     x, k_pages, v_pages = attention_block(layer, h, k_pages, v_pages, md, inv_freq, eps, attn_fn, linear, residual=x)
     if layer.moe is None:
         h, logits = rms_norm(x, layer.mlp_norm, eps).astype(layer.mlp_norm.dtype), None

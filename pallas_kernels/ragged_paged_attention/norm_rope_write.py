@@ -45,9 +45,8 @@ def takes(pages: jax.Array | jax.ShapeDtypeStruct, num_tokens: int, num_q_heads:
             and _pow2(head_dim) and head_dim >= 4 and 1 <= num_tokens <= MAX_TOKENS)
 
 
-def _kernel(pos_ref, slots_ref, parts_ref, qw_ref, kw_ref, freq_ref, rows_ref, k_in, v_in, q_out, k_out, v_out, *,
-            num_splits: int, n: int, kv: int, half: int, eps: float | None, page_size: int,
-            row_eps: float | None):
+def _kernel(pos_ref, slots_ref, parts_ref, qw_ref, kw_ref, freq_ref, k_in, v_in, q_out, k_out, v_out, *,
+            num_splits: int, n: int, kv: int, half: int, eps: float | None, page_size: int):
     # One program per (token t, head h of the product's N + 2K): pos_ref, slots_ref [T] i32; parts_ref
     # [S, T, N + 2K, H]; qw_ref, kw_ref [H]; freq_ref [H/2] f32; k_in, v_in: the caches, aliased to k_out, v_out
     # [P, R, K, H]; q_out [T, N, H]. Every program computes the (norm and) rotation and stores only to where its
@@ -65,10 +64,6 @@ def _kernel(pos_ref, slots_ref, parts_ref, qw_ref, kw_ref, freq_ref, rows_ref, k
         return sum(parts_ref[s, t, h, cols].astype(f32) for s in range(num_splits))
 
     a, b = summed(lo), summed(hi)  # the head's two halves [H/2]
-    if row_eps is not None:  # the product was of the unnormed rows: the layer's RMSNorm's 1/rms of row t now
-        row = rows_ref[pl.ds(t, 1), :]  # [1, D] float32
-        inv_row = jax.lax.rsqrt(jnp.sum(row * row) / row.shape[1] + row_eps)
-        a, b = a * inv_row, b * inv_row
     is_q, is_v = h < n, h >= n + kv
     na, nb = a, b
     if eps is not None:  # QK-norm
@@ -92,15 +87,13 @@ def _kernel(pos_ref, slots_ref, parts_ref, qw_ref, kw_ref, freq_ref, rows_ref, k
         plt.store(v_out.at[page, offset, v_head, cols], out, mask=mask(is_v))
 
 
-@functools.partial(jax.jit, static_argnames=("num_q_heads", "eps", "row_eps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("num_q_heads", "eps", "interpret"))
 def norm_rope_write(parts: jax.Array, q_norm: jax.Array | None, k_norm: jax.Array | None, positions: jax.Array,
                     inv_freq: jax.Array, slot_mapping: jax.Array, k_pages: jax.Array, v_pages: jax.Array, *,
-                    num_q_heads: int, eps: float | None, rows: jax.Array | None = None, row_eps: float | None = None,
-                    interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
+                    num_q_heads: int, eps: float | None, interpret: bool = False,
+                    ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """(q [T, N, H], k_pages, v_pages) for the joined product's partials `parts` [S, T, (N + 2K) * H] (module
-    docstring). eps None: no QK-norm (q_norm and k_norm None), only the rotation and the write (Llama). `rows` [T,
-    D] float32 with `row_eps`: the partials are of the layer's unnormed input rows (times the norm's weight:
-    skinny_matmul's normed form), and each token's sum is scaled by its row's 1/rms (RMSNorm's, eps row_eps) first."""
+    docstring). eps None: no QK-norm (q_norm and k_norm None), only the rotation and the write (Llama)."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.triton as plt
 
@@ -115,22 +108,16 @@ def norm_rope_write(parts: jax.Array, q_norm: jax.Array | None, k_norm: jax.Arra
     heads = parts.reshape(num_splits, num_tokens, n + 2 * kv_heads, head_dim)  # [S, T, N + 2K, H]
     if eps is None:  # the kernel reads no norm weight; its operands still need arrays
         q_norm = k_norm = jnp.ones((head_dim,), k_pages.dtype)
-    if (rows is None) != (row_eps is None) or (rows is not None and (
-            rows.shape[0] != num_tokens or rows.dtype != jnp.float32 or not _pow2(rows.shape[1]))):
-        raise ValueError(f"norm_rope_write's rows come as float32 [T, D] (D a power of two) with row_eps, got "
-                         f"{None if rows is None else (rows.shape, rows.dtype)} and row_eps {row_eps}")
-    if rows is None:  # read by no program; the operand still needs an array
-        rows = jnp.zeros((num_tokens, 1), jnp.float32)
     return pl.pallas_call(
         functools.partial(_kernel, num_splits=num_splits, n=n, kv=kv_heads, half=head_dim // 2,
                           eps=None if eps is None else float(eps),
-                          page_size=page_size, row_eps=None if row_eps is None else float(row_eps)),
+                          page_size=page_size),
         out_shape=(jax.ShapeDtypeStruct((num_tokens, n, head_dim), k_pages.dtype),
                    jax.ShapeDtypeStruct(k_pages.shape, k_pages.dtype),
                    jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)),
         grid=(num_tokens, n + 2 * kv_heads),
-        input_output_aliases={7: 1, 8: 2},
+        input_output_aliases={6: 1, 7: 2},
         compiler_params=plt.CompilerParams(num_warps=NUM_WARPS, num_stages=1),
         interpret=interpret, name="norm_rope_write",
     )(positions.astype(jnp.int32), slot_mapping.astype(jnp.int32), heads, q_norm, k_norm,
-      inv_freq.astype(jnp.float32), rows, k_pages, v_pages)
+      inv_freq.astype(jnp.float32), k_pages, v_pages)

@@ -18,10 +18,4 @@ def reference(x: jax.Array, w: jax.Array, residual: jax.Array | None = None, *, 
     return parts if residual is None else residual + parts.sum(axis=0)
 
 
-def normed_reference(x: jax.Array, norm_weight: jax.Array, w: jax.Array, *, splits: int) -> jax.Array:
-    """The normed form's specification: the [S, T, N] float32 partials of bf16(x * norm_weight) @ w for a float32 x
-    [T, K] (an RMSNorm's product without its per-row 1/rms)."""
-    return reference((x * norm_weight.astype(jnp.float32)).astype(w.dtype), w, splits=splits)
-
-
-__all__ = ["normed_reference", "reference"]
+__all__ = ["reference"]

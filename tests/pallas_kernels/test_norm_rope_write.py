@@ -47,18 +47,11 @@ def random_case(seed: int, splits: int, tokens: int, n: int, kv: int, head_dim: 
     return parts, q_norm, k_norm, positions, inv_freq, slots, *pages
 
 
-def check_case(case, n: int, interpret: bool, rows=None) -> None:
-    """`rows` [T, D] float32: the partials stand for unnormed rows, and the kernel scales each token's sum by its
-    row's 1/rms (eps 1e-5) first; the oracle gets the scaled partials."""
+def check_case(case, n: int, interpret: bool) -> None:
     parts, q_norm, k_norm, positions, inv_freq, slots, k_pages, v_pages = case
     kv = k_pages.shape[2]
-    want_parts = parts
-    if rows is not None:
-        r64 = np.asarray(rows, np.float64)
-        want_parts = np.asarray(parts, np.float64) / np.sqrt((r64 ** 2).mean(-1) + 1e-5)[None, :, None]
-    q, k, v = oracle(want_parts, q_norm, k_norm, positions, inv_freq, n, kv, 1e-6)
-    row_args = {} if rows is None else dict(rows=rows, row_eps=1e-5)
-    got_q, got_k, got_v = norm_rope_write(*case, num_q_heads=n, eps=1e-6, interpret=interpret, **row_args)
+    q, k, v = oracle(parts, q_norm, k_norm, positions, inv_freq, n, kv, 1e-6)
+    got_q, got_k, got_v = norm_rope_write(*case, num_q_heads=n, eps=1e-6, interpret=interpret)
     assert got_q.dtype == k_pages.dtype and got_k.shape == k_pages.shape and got_v.dtype == v_pages.dtype
 
     def close(got, want):  # one rounding to 16 bits from the exact values (float32 arithmetic on the way)
@@ -77,18 +70,6 @@ def check_case(case, n: int, interpret: bool, rows=None) -> None:
 @pytest.mark.parametrize("splits, tokens", [(1, 1), (4, 2), (4, 8), (2, 5)])
 def test_interpreted_kernel_matches_the_float64_oracle(splits: int, tokens: int) -> None:
     check_case(random_case(splits * 10 + tokens, splits, tokens, n=8, kv=2, head_dim=16), n=8, interpret=True)
-
-
-@pytest.mark.parametrize("splits, tokens", [(1, 1), (8, 2), (2, 5)])
-def test_interpreted_kernel_applies_the_rows_rms(splits: int, tokens: int) -> None:
-    """The partials of a product of unnormed rows (skinny_matmul's normed form) with the rows: the layer's RMSNorm
-    applied per token before the QK-norm, RoPE and the writes (the v heads scaled too)."""
-    case = random_case(splits + tokens, splits, tokens, n=8, kv=2, head_dim=16)
-    case = (case[0].astype(jnp.float32), *case[1:])  # float32 partials (the normed form's), even one
-    rows = jnp.asarray(np.random.default_rng(tokens).standard_normal((tokens, 64)) * 4, jnp.float32)
-    check_case(case, n=8, interpret=True, rows=rows)
-    with pytest.raises(ValueError, match="row_eps"):
-        norm_rope_write(*case, num_q_heads=8, eps=1e-6, rows=rows, interpret=True)  # rows without their eps
 
 
 def test_takes_only_what_it_can_write() -> None:

@@ -75,54 +75,16 @@ def test_lowers_for_cuda_with_the_residual_aliased() -> None:
     assert "mosaic_gpu" in text and "output_operand_aliases" in text
 
 
-def check_normed(tokens: int, k: int, n: int) -> None:
-    """The normed form (compiled; GPU only) against its specification and a float64 oracle of the same bf16 rows."""
-    r = np.random.default_rng(tokens + k + n)
-    x = jnp.asarray(r.standard_normal((tokens, k)) * 3, jnp.float32)
-    norm = jnp.asarray(1 + 0.1 * r.standard_normal(k), jnp.bfloat16)
-    w = jnp.asarray(r.standard_normal((k, n)) / np.sqrt(k), jnp.bfloat16)
-    splits, tiling = skinny.plan(k, n, qwen3.SKINNY_SPLITS)
-    parts = skinny.normed_skinny_matmul(x, norm, w, splits=splits, tiling=tiling)
-    want = skinny_matmul.normed_reference(x, norm, w, splits=splits)
-    assert parts.shape == want.shape == (splits, tokens, n) and parts.dtype == jnp.float32
-    rows = np.asarray((x * norm.astype(jnp.float32)).astype(jnp.bfloat16), np.float64)  # the staged bf16 rows
-    oracle = rows.reshape(tokens, splits, -1).transpose(1, 0, 2) @ np.asarray(w, np.float64).reshape(splits, -1, n)
-    np.testing.assert_allclose(np.asarray(parts, np.float64), oracle, rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(np.asarray(parts), np.asarray(want), rtol=1e-5, atol=1e-5)
-
-
-def test_normed_form_lowers_for_cuda_and_refuses_what_it_cannot_take() -> None:
-    x = jax.ShapeDtypeStruct((2, 2048), jnp.float32)
-    norm = jax.ShapeDtypeStruct((2048,), jnp.bfloat16)
-    w = jax.ShapeDtypeStruct((2048, 5120), jnp.bfloat16)
-    call = lambda x, norm, w: skinny.normed_skinny_matmul(x, norm, w, splits=8)  # noqa: E731
-    assert "normed_skinny_matmul" in jax.jit(call).trace(x, norm, w).lower(lowering_platforms=("cuda",)).as_text()
-    assert skinny.takes_normed(x, norm, w, 8)
-    assert not skinny.takes_normed(jax.ShapeDtypeStruct((2, 2048), jnp.bfloat16), norm, w, 8)  # float32 rows only
-    assert not skinny.takes_normed(x, jax.ShapeDtypeStruct((2048,), jnp.float16), w, 8)  # the weight's dtype
-    with pytest.raises(ValueError, match="float32 x"):
-        skinny.normed_skinny_matmul(jnp.zeros((2, 256), jnp.bfloat16), jnp.ones((256,), jnp.bfloat16),
-                                    jnp.ones((256, 64), jnp.bfloat16), splits=1)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("tokens", [1, 2, 8])
-@pytest.mark.parametrize("k, n", [(2048, 5120), (256, 128)])  # Qwen3-30B-A3B's q/k/v; one 128-wide step a slice
-def test_gpu_normed_form_matches_the_oracle(tokens, k, n) -> None:
-    check_normed(tokens, k, n)
-
-
 def decode_logits(runner, ids: list[int]) -> np.ndarray:
     """The last logits of each decode-sized chunk of 3 tokens of `ids` (one sequence, pages 1-4)."""
     return run_chunks(runner, ids, 3, [1, 2, 3, 4], DECODE_SHAPE)
 
 
-def check_model(monkeypatch, family, make_cfg, mode: str, fold: bool) -> None:
+def check_model(monkeypatch, family, make_cfg, mode: str) -> None:
     """A tiny bf16 model decoding with the GPU decode path's kernels (`mode`: interpreted or compiled) with and
     without skinny_matmul: the same logits within bf16's rounding, the kernel's no further from the float32 run of
     the same weights than XLA's path (it rounds the residual once a layer, not twice), and every layer's output
-    projection adding into the float32 residual stream. `fold`: the attention norm folded into the q/k/v product
-    (qwen3.SKINNY_NORM_FOLD; interpreted, its jnp specification), or XLA's norm and the plain product."""
+    projection adding into the float32 residual stream."""
     cfg = make_cfg(num_heads=4, num_kv_heads=2, head_dim=16)
     ids = list(np.random.default_rng(6).integers(0, cfg.vocab_size, 12))
     monkeypatch.setattr(common, "NORM_ROPE_WRITE", mode)
@@ -137,19 +99,14 @@ def check_model(monkeypatch, family, make_cfg, mode: str, fold: bool) -> None:
     want = decode_logits(xla, ids)
     exact = decode_logits(build(jnp.float32, jax.tree.map(lambda a: a.astype(jnp.float32), xla.weights)), ids)
     monkeypatch.setattr(qwen3, "SKINNY", mode)
-    monkeypatch.setattr(qwen3, "SKINNY_NORM_FOLD", fold)
     calls = []
     kernel = skinny.skinny_matmul
     monkeypatch.setattr(skinny, "skinny_matmul",
                         lambda x, w, residual=None, **k: calls.append(residual is not None and residual.dtype)
                         or kernel(x, w, residual, **k))
-    module, name = (skinny_matmul, "normed_reference") if mode == "interpret" else (skinny, "normed_skinny_matmul")
-    normed = getattr(module, name)
-    monkeypatch.setattr(module, name, lambda *a, **k: calls.append("normed") or normed(*a, **k))
     got = decode_logits(build(), ids)  # a new runner: its programs trace anew
-    # One trace of each kind of layer: a q/k/v product (no residual; the normed form where folded) and an output
-    # projection into float32.
-    assert ("normed" if fold else False) in calls and jnp.float32 in calls, calls
+    # One trace of each kind of layer: a q/k/v product (no residual) and an output projection into float32.
+    assert False in calls and jnp.float32 in calls, calls
     assert rel_err(got, want) < 2e-2
     assert rel_err(got, exact) < 1.5 * rel_err(want, exact)
 
@@ -158,16 +115,14 @@ FAMILIES = pytest.mark.parametrize("family, make_cfg", [(QWEN3, tiny_qwen3_dense
 
 
 @FAMILIES
-@pytest.mark.parametrize("fold", [True, False])
-def test_model_with_the_interpreted_kernel_gives_the_same_logits(monkeypatch, family, make_cfg, fold) -> None:
-    check_model(monkeypatch, family, make_cfg, "interpret", fold)
+def test_model_with_the_interpreted_kernel_gives_the_same_logits(monkeypatch, family, make_cfg) -> None:
+    check_model(monkeypatch, family, make_cfg, "interpret")
 
 
 @pytest.mark.gpu
 @FAMILIES
-@pytest.mark.parametrize("fold", [True, False])
-def test_model_with_the_gpu_kernel_gives_the_same_logits(monkeypatch, family, make_cfg, fold) -> None:
-    check_model(monkeypatch, family, make_cfg, "gpu", fold)
+def test_model_with_the_gpu_kernel_gives_the_same_logits(monkeypatch, family, make_cfg) -> None:
+    check_model(monkeypatch, family, make_cfg, "gpu")
 
 
 @pytest.mark.gpu
