@@ -140,6 +140,12 @@ def run_chunks(runner: ModelRunner, ids: list[int], chunk: int, pages: list[int]
 DECODE_SHAPE = BatchShape(tokens=8, seqs=2, pages_per_seq=8)
 
 
+def float32_twin(build: Callable[..., ModelRunner], runner: ModelRunner) -> ModelRunner:
+    """A float32 runner over `runner`'s weights cast up, from the test's `build(dtype, weights)`: the run that kernel
+    tests hold a bf16 path's logits against."""
+    return build(jnp.float32, jax.tree.map(lambda a: a.astype(jnp.float32), runner.weights))
+
+
 def rel_err(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 

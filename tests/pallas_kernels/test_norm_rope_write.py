@@ -13,7 +13,7 @@ from jaxinfer.engine.batcher import BatchShape, SeqChunk, pack
 from jaxinfer.models import LLAMA, QWEN3, QWEN3_MOE, common
 from jaxinfer.models.common import rope_inv_freq
 from jaxinfer.models.fused import fuse_projections
-from model_helpers import build_runner, rel_err, tiny_config, tiny_qwen3_dense, tiny_qwen3_moe
+from model_helpers import build_runner, float32_twin, rel_err, tiny_config, tiny_qwen3_dense, tiny_qwen3_moe
 from pallas_kernels.ragged_paged_attention.norm_rope_write import norm_rope_write, takes
 
 PAGES, PAGE_SIZE = 12, 4
@@ -117,7 +117,7 @@ def check_model(monkeypatch, family, make_cfg, mode: str) -> None:
     monkeypatch.setattr(common, "NORM_ROPE_WRITE", None)
     xla = build()
     want, want_cache = decode_logits(xla, ids)
-    exact, _ = decode_logits(build(jnp.float32, jax.tree.map(lambda a: a.astype(jnp.float32), xla.weights)), ids)
+    exact, _ = decode_logits(float32_twin(build, xla), ids)
     monkeypatch.setattr(common, "NORM_ROPE_WRITE", mode)
     calls = []
     kernel = common.norm_rope_write.norm_rope_write

@@ -4,14 +4,13 @@ giving the same logits with the kernel in its MoE layers as with XLA's path (rms
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxinfer.models import QWEN3_MOE, moe
 from jaxinfer.models.fused import fuse_projections
-from model_helpers import DECODE_SHAPE, build_runner, rel_err, run_chunks, tiny_qwen3_moe
+from model_helpers import DECODE_SHAPE, build_runner, float32_twin, rel_err, run_chunks, tiny_qwen3_moe
 from pallas_kernels.moe_routing import norm_router as nr
 
 
@@ -90,7 +89,7 @@ def check_model(monkeypatch, mode: str, attention_impl: str = "reference") -> No
     monkeypatch.setattr(moe, "NORM_ROUTER", None)
     xla = build()
     want = decode_logits(xla, ids)
-    exact = decode_logits(build(jnp.float32, jax.tree.map(lambda a: a.astype(jnp.float32), xla.weights)), ids)
+    exact = decode_logits(float32_twin(build, xla), ids)
     monkeypatch.setattr(moe, "NORM_ROUTER", mode)
     calls = []
     kernel = nr.norm_router

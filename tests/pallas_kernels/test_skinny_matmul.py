@@ -12,7 +12,8 @@ import pytest
 
 from jaxinfer.models import QWEN3, QWEN3_MOE, common, moe, qwen3
 from jaxinfer.models.fused import fuse_projections
-from model_helpers import DECODE_SHAPE, build_runner, rel_err, run_chunks, tiny_qwen3_dense, tiny_qwen3_moe
+from model_helpers import (DECODE_SHAPE, build_runner, float32_twin, rel_err, run_chunks, tiny_qwen3_dense,
+                           tiny_qwen3_moe)
 from pallas_kernels import skinny_matmul
 from pallas_kernels.skinny_matmul import gpu as skinny
 
@@ -97,7 +98,7 @@ def check_model(monkeypatch, family, make_cfg, mode: str) -> None:
     monkeypatch.setattr(qwen3, "SKINNY", None)
     xla = build()
     want = decode_logits(xla, ids)
-    exact = decode_logits(build(jnp.float32, jax.tree.map(lambda a: a.astype(jnp.float32), xla.weights)), ids)
+    exact = decode_logits(float32_twin(build, xla), ids)
     monkeypatch.setattr(qwen3, "SKINNY", mode)
     calls = []
     kernel = skinny.skinny_matmul
