@@ -244,20 +244,10 @@ VARIANTS: dict[str, Callable[[Any], None]] = {
     # kernel, the latter adding into a float32 residual stream (no residual-add kernel).
     "sk": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4),
                             accumulate=True, skinny=True),
-    # "sk" with the expert kernel's first down tiles requested before gate/up (4 slots of 128 D channels, or 2), or
-    # its down projection in 256-channel tiles (8 steps instead of 16), with 2 such tiles requested early.
-    "sk_pf4": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4),
-                                accumulate=True, skinny=True,
-                                swiglu_tiling=SwigluTiling(stages=4, gate_up="cols", down_prefetch=4)),
-    "sk_pf2": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4),
-                                accumulate=True, skinny=True,
-                                swiglu_tiling=SwigluTiling(stages=4, gate_up="cols", down_prefetch=2)),
-    "sk_d256": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4),
-                                 accumulate=True, skinny=True,
-                                 swiglu_tiling=SwigluTiling(stages=4, gate_up="cols", tile_d=256)),
-    "sk_d256_pf2": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4),
-                                     accumulate=True, skinny=True,
-                                     swiglu_tiling=SwigluTiling(stages=4, gate_up="cols", tile_d=256, down_prefetch=2)),
+    # "sk" with the expert kernel's down projection in 128-channel tiles (16 steps; the tree's batch-1 tiling before
+    # the 37th session, which takes 256: 8 steps).
+    "sk_d128": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4),
+                                 accumulate=True, skinny=True, swiglu_tiling=SwigluTiling(stages=4, gate_up="cols")),
     # "acc" with the output projection, or the q/k/v product, by the skinny_matmul kernel (Mosaic GPU), the output
     # projection's partials summed by XLA with the residual (the in-loop measurement that chose the kernel).
     "acc_sko4": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4),

@@ -68,14 +68,9 @@ class SwigluTiling:
     # channels on wgmma's M side and only the 8-row block of x loaded (2 KB a step instead of 16 at tile_k 128),
     # h^T stored transposed into SMEM for the down projection (which must be "cols").
     gate_up: str = "rows"
-    # Down-projection weight tiles requested before gate/up starts (0: the down phase is a pipeline of its own). The
-    # down weights do not depend on h, so their first tiles can land while gate/up streams, and the memory system
-    # does not idle between the two phases while each CTA drains one pipeline and fills the next. These buffers are
-    # the down phase's pipeline ("cols" down only).
-    down_prefetch: int = 0
 
 
-def default_tiling(pairs: int, f: int) -> SwigluTiling:
+def default_tiling(pairs: int, f: int, d: int | None = None) -> SwigluTiling:
     """Slices of 64 channels for the batch-1 bucket (16 pairs at top-8: its 8 live pairs x 12 slices of
     Qwen3-30B-A3B's F = 768 are 96 CTAs), of 128 above it, where slices of 64 make more CTAs than the SMs
     take at once and each re-reads the x tile (one H200, one layer at 8 live tokens of a 16-token bucket:
@@ -84,9 +79,13 @@ def default_tiling(pairs: int, f: int) -> SwigluTiling:
     kernel 25.9 -> 22.3 us a layer at 1 live token of 2, the weight bytes at the measured copy rate (one H200,
     scripts/profile_moe_block.py; 3, 6 and 8 stages and tile_k 256 were 22.7-24.5 us;
     docs/benchmarks/swiglu_cols_h200_2026-11-29.json). At 8 live tokens of 16 "cols" gained ~2% (137.4 against
-    140.1 us at 128 x 64 x 4) and "rows" stays."""
+    140.1 us at 128 x 64 x 4) and "rows" stays. Its down projection takes 256 D channels a step (8 steps, 32 KB
+    each, where 128 made 16 of 16 KB): 22.0-22.2 -> 21.7-21.8 us a layer in the batch-1 loop on two H200 leases
+    (docs/benchmarks/moe_b1_down_prefetch_h200_2026-11-30.json, moe_b1_norm_route_partials_h200_2026-11-30.json)."""
     if pairs > 16 and f % 128 == 0:
         return SwigluTiling(tile_f=128, tile_k=64)
+    if d is not None and d % 256 == 0:
+        return SwigluTiling(stages=4, gate_up="cols", tile_d=256)
     return SwigluTiling(stages=4, gate_up="cols")
 
 
@@ -96,8 +95,6 @@ def smem_bytes(t: SwigluTiling, itemsize: int = 2) -> int:
     gate_up = t.stages * (x_rows * t.tile_k + 2 * t.tile_k * t.tile_f) * itemsize
     down = t.stages * t.tile_f * t.tile_d * itemsize
     out = 2 * t.tile_d * 4 + x_rows * t.tile_f * itemsize if t.down == "cols" else 2 * _ROWS * t.tile_d * 4
-    if t.down_prefetch:  # the prefetched down tiles live beside gate/up's pipeline
-        return gate_up + t.down_prefetch * t.tile_f * t.tile_d * itemsize + out
     return max(gate_up, down) + out
 
 
@@ -113,8 +110,6 @@ def check_tiling(t: SwigluTiling, d: int, f: int) -> None:
         problems.append(f"down must be 'cols' or 'rows', got {t.down!r}")
     if t.gate_up not in ("cols", "rows") or (t.gate_up == "cols" and t.down != "cols"):
         problems.append(f"gate_up must be 'rows' or 'cols' (with down 'cols'), got {t.gate_up!r}")
-    if t.down_prefetch < 0 or (t.down_prefetch and (t.down != "cols" or t.down_prefetch > d // t.tile_d)):
-        problems.append(f"down_prefetch must be 0, or at most D / tile_d = {d // t.tile_d} with down 'cols'")
     from pallas_kernels.grouped_matmul.tuning import SMEM_BUDGET
     if smem_bytes(t) > SMEM_BUDGET:
         problems.append(f"needs {smem_bytes(t)} bytes of shared memory, over {SMEM_BUDGET}")
@@ -165,15 +160,11 @@ def _gate_up(acc_g, acc_u, x_gmem, g_gmem, u_gmem, *, row0, c, t: SwigluTiling):
 
 
 def _down_cols(h, h_smem, d_gmem, o_gmem, o_smem, *, p, r, c, scale, t: SwigluTiling, interpret,
-               accumulate=False, prefetched=None):
+               accumulate=False):
     """o_gmem[p, d tile] = (accumulate: +=) scale * row r of h [64, tile_f] (from a "cols" gate/up, column r of
     h^T [tile_f, 8]) @ Wd[slice c, d tile], for every d tile of D, as
     y^T [tile_d, 8] = Wd^T @ (rows 0..7 of h)^T (the gather_matmul orientation: D channels are wgmma's M side)
-    and column r of it picked in registers (a masked row sum), so one [tile_d] row goes through SMEM.
-
-    prefetched: (buffers [n, tile_f, tile_d], barriers [n], issue) from `_prefetch_down`, whose first n tiles
-    were requested before gate/up: the d tiles then run as a loop over those n slots, each refilled with the
-    tile n ahead once its product is done. None: one emit_pipeline of t.stages."""
+    and column r of it picked in registers (a masked row sum), so one [tile_d] row goes through SMEM."""
     import jax.experimental.pallas as pl
     import jax.experimental.pallas.mosaic_gpu as plgpu
 
@@ -185,15 +176,15 @@ def _down_cols(h, h_smem, d_gmem, o_gmem, o_smem, *, p, r, c, scale, t: SwigluTi
         block = h_smem.at[pl.ds(0, _ROW_ALIGN)]  # [8, tf]
     plgpu.commit_smem()
     steps = d_gmem.shape[1] // t.tile_d
+    w_spec = plgpu.BlockSpec((t.tile_f, t.tile_d), lambda j: (c, j), transforms=_transforms(d_gmem.dtype, t.tile_d))
 
-    def step(j, w_smem, release=None):
+    def step(idx, w_smem):
+        j = idx[0]
         if interpret:
             yt = jax.lax.dot(w_smem[...].T, block[...].T, preferred_element_type=jnp.float32)
         else:
             yt = pl.run_state(lambda acc: plgpu.wgmma(acc, w_smem.T, block.T))(
                 plgpu.ACC.init(jnp.zeros((t.tile_d, _ROW_ALIGN), jnp.float32)))  # [td, 8], waited for
-        if release is not None:  # the product has read w_smem: its slot may take the next tile
-            release()
         col = plgpu.broadcasted_iota(jnp.int32, yt.shape, 1, layout=plgpu.Layout.WGMMA)
         y = jnp.sum(jnp.where(col == r, yt, 0.0), axis=1)  # [td]: the pair's row
         if scale is not None:
@@ -209,39 +200,8 @@ def _down_cols(h, h_smem, d_gmem, o_gmem, o_smem, *, p, r, c, scale, t: SwigluTi
         # accumulate: a TMA reduce-add (each element's add is atomic), the other pairs' and slices' adds in any order
         plgpu.copy_smem_to_gmem(slot, dst, reduction_op="add" if accumulate else None)
 
-    if prefetched is None:
-        w_spec = plgpu.BlockSpec((t.tile_f, t.tile_d), lambda j: (c, j),
-                                 transforms=_transforms(d_gmem.dtype, t.tile_d))
-        plgpu.emit_pipeline(lambda idx, w_smem: step(idx[0], w_smem), grid=(steps,), in_specs=[w_spec],
-                            max_concurrent_steps=t.stages)(d_gmem)
-    else:
-        buffers, barriers, issue = prefetched
-        ahead = buffers.shape[0]
-
-        def loop_step(j, carry):
-            s = jax.lax.rem(j, ahead)
-            plgpu.barrier_wait(barriers.at[s])
-            refill = lambda: pl.when(j + ahead < steps)(lambda: issue(j + ahead, s))  # noqa: E731
-            step(j, buffers.at[s], release=refill)
-            return carry
-
-        jax.lax.fori_loop(0, steps, loop_step, None)
+    plgpu.emit_pipeline(step, grid=(steps,), in_specs=[w_spec], max_concurrent_steps=t.stages)(d_gmem)
     plgpu.wait_smem_to_gmem(0)
-
-
-def _prefetch_down(d_gmem, buffers, barriers, *, c, t: SwigluTiling):
-    """Requests down tiles 0 .. n-1 of slice c ([tile_f, tile_d] of Wd [F, D]) into the n slots of `buffers`,
-    each on its own barrier; returns `issue(j, slot)`, which requests tile j into a slot."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    def issue(j, slot):
-        src = d_gmem.at[pl.ds(c * t.tile_f, t.tile_f), pl.ds(j * t.tile_d, t.tile_d)]  # [tf, td]
-        plgpu.copy_gmem_to_smem(src, buffers.at[slot], barriers.at[slot])
-
-    for j in range(buffers.shape[0]):
-        issue(j, j)
-    return issue
 
 
 def _down_rows(h, d_gmem, o_gmem, o_smem, *, p, r, c, scale, t: SwigluTiling, interpret):
@@ -309,10 +269,8 @@ def _kernel(experts_ref, valid_ref, offset_ref, weights_ref, x_gmem, g_gmem, u_g
     if weighted and not accumulate:  # the caller sums the parts as they are: skipped pairs write zeros
         pl.when(~live)(functools.partial(_zero_row, o_gmem.at[c, slot], o_smem, p=token, t=t))
 
-    def _live_pair(*down_slots, prefetch=False):
-        prefetched = None
-        if prefetch:
-            prefetched = (*down_slots, _prefetch_down(d_gmem.at[expert], *down_slots, c=c, t=t))
+    @pl.when(live)
+    def _():
         gate_up = functools.partial(_gate_up, x_gmem=x_gmem, g_gmem=g_gmem.at[expert], u_gmem=u_gmem.at[expert],
                                     row0=row0, c=c, t=t)
         acc = plgpu.ACC((t.tile_f, _ROW_ALIGN) if t.gate_up == "cols" else (_ROWS, t.tile_f), jnp.float32)
@@ -321,22 +279,11 @@ def _kernel(experts_ref, valid_ref, offset_ref, weights_ref, x_gmem, g_gmem, u_g
         scale = weights_ref[token, slot] if weighted else None
         down = dict(p=token, r=token - row0, c=c, scale=scale, t=t, interpret=interpret)
         if accumulate:
-            _down_cols(h, h_smem[0], d_gmem.at[expert], o_gmem, o_smem, accumulate=True, prefetched=prefetched,
-                       **down)
+            _down_cols(h, h_smem[0], d_gmem.at[expert], o_gmem, o_smem, accumulate=True, **down)
         elif t.down == "cols":
-            _down_cols(h, h_smem[0], d_gmem.at[expert], o_gmem.at[c, slot], o_smem, prefetched=prefetched, **down)
+            _down_cols(h, h_smem[0], d_gmem.at[expert], o_gmem.at[c, slot], o_smem, **down)
         else:
             _down_rows(h, d_gmem.at[expert], o_gmem.at[c, slot], o_smem, **down)
-
-    @pl.when(live)
-    def _():
-        if t.down_prefetch:  # the down tiles' first slots requested before gate/up streams
-            pl.run_scoped(functools.partial(_live_pair, prefetch=True),
-                          plgpu.SMEM((t.down_prefetch, t.tile_f, t.tile_d), d_gmem.dtype,
-                                     transforms=_transforms(d_gmem.dtype, t.tile_d)),
-                          plgpu.Barrier(num_arrivals=1, num_barriers=t.down_prefetch))
-        else:
-            _live_pair()
 
 
 @functools.partial(jax.jit, static_argnames=("tiling", "interpret", "pad_rows"))
@@ -369,7 +316,7 @@ def swiglu_experts(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax
                                   f"and F % 64 == 0; got {x.dtype} x, {w_gate.dtype} weights, shape {w_gate.shape}")
     e, d, f = w_gate.shape
     tokens, top_k = experts.shape
-    t = tiling or default_tiling(tokens * top_k, f)
+    t = tiling or default_tiling(tokens * top_k, f, d)
     check_tiling(t, d, f)
     if pad_rows or (pad_rows is None and tokens > _ROW_ALIGN and tokens % _ROW_ALIGN):
         x = jnp.pad(x, ((0, -(-tokens // _ROW_ALIGN) * _ROW_ALIGN - tokens), (0, 0)))  # [Tp, D]: TMA tiles rows by 8

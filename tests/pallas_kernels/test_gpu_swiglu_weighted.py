@@ -65,9 +65,7 @@ CASES = {  # tokens, top_k, experts, expert offset, D, F, tiling or None (the de
     "d256": (5, 2, 3, 0, 512, 64, gpu_swiglu.SwigluTiling(tile_f=64, tile_k=64, tile_d=256, stages=2)),
     "rows_down": (9, 3, 5, 2, 256, 128, gpu_swiglu.SwigluTiling(stages=2, down="rows")),
     "cols_gate_up": (11, 3, 7, 2, 256, 128, gpu_swiglu.SwigluTiling(stages=2, gate_up="cols")),
-    # down tiles requested before gate/up: 2 slots for 4 d tiles (each slot refilled once), and as many as tiles
-    "down_prefetch": (3, 4, 6, 1, 512, 128, gpu_swiglu.SwigluTiling(stages=2, gate_up="cols", down_prefetch=2)),
-    "down_prefetch_all": (2, 3, 5, 0, 256, 64, gpu_swiglu.SwigluTiling(stages=2, down_prefetch=2)),
+    "cols_d256": (3, 4, 6, 1, 512, 128, gpu_swiglu.SwigluTiling(stages=2, gate_up="cols", tile_d=256)),
 }
 
 
@@ -142,9 +140,7 @@ def test_weighted_swiglu_lowers_for_cuda():
 @pytest.mark.parametrize("tiling", [None, gpu_swiglu.SwigluTiling(tile_f=128, tile_k=64, tile_d=128, stages=3),
                                     gpu_swiglu.SwigluTiling(down="rows"), gpu_swiglu.SwigluTiling(gate_up="cols"),
                                     gpu_swiglu.SwigluTiling(gate_up="cols", stages=5),
-                                    gpu_swiglu.SwigluTiling(gate_up="cols", stages=4, down_prefetch=4),
-                                    gpu_swiglu.SwigluTiling(gate_up="cols", stages=4, tile_d=256, down_prefetch=2)],
-                         ids=str)
+                                    gpu_swiglu.SwigluTiling(gate_up="cols", stages=4)], ids=str)
 @pytest.mark.parametrize("tokens, offset", [(2, 0), (16, 0), (16, 32)])
 def test_gpu_weighted_swiglu_at_qwen3_decode(rng, tokens, offset, tiling):
     """Qwen3-30B-A3B's expert shapes (D 2048, F 768, top-8 of 128; with an offset, 128 of 192 ids held here). The
@@ -181,7 +177,7 @@ def test_gpu_weighted_swiglu_unpadded_rows(rng, tokens):
 @pytest.mark.gpu
 @pytest.mark.parametrize("tiling", [None, gpu_swiglu.SwigluTiling(tile_f=128, tile_k=64, tile_d=128, stages=3),
                                     gpu_swiglu.SwigluTiling(gate_up="cols", stages=5),
-                                    gpu_swiglu.SwigluTiling(gate_up="cols", stages=4, down_prefetch=4)], ids=str)
+                                    gpu_swiglu.SwigluTiling(gate_up="cols", stages=4)], ids=str)
 @pytest.mark.parametrize("tokens, offset", [(1, 0), (2, 0), (10, 0), (16, 32)])
 def test_gpu_accumulating_swiglu_at_qwen3_decode(rng, tokens, offset, tiling):
     """The TMA reduce-add stores at Qwen3-30B-A3B's expert shapes: residual + every live pair's weighted rows, from

@@ -626,6 +626,8 @@ def test_swiglu_default_tiling_by_pairs():
     assert gpu_swiglu.default_tiling(16, 768).tile_f == 64
     assert gpu_swiglu.default_tiling(128, 768).tile_f == 128
     assert gpu_swiglu.default_tiling(128, 64 * 5).tile_f == 64  # 320 channels: no 128 slices
+    assert gpu_swiglu.default_tiling(16, 768, 2048).tile_d == 256  # the batch-1 bucket's down steps, where D allows
+    assert gpu_swiglu.default_tiling(16, 768, 128 * 3).tile_d == 128
     for pairs, f in ((16, 768), (128, 768), (128, 14336)):
         gpu_swiglu.check_tiling(gpu_swiglu.default_tiling(pairs, f), 2048, f)
 
