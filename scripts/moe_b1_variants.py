@@ -144,7 +144,7 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
            kv_kernel: bool = False, qkv_split_k: int = 0, pad_rows: bool | None = True,
            o_split_k: int = 0, routing_warps: int = 4, merge_warps: int = 4, norm_rope_write: bool = False,
            swiglu_tiling: Any = None, norm_router: tuple[int, int] | None = None, accumulate: bool = False,
-           skinny_o: int = 0, skinny_qkv: int = 0, skinny: bool = False, norm_route: bool = False) -> None:
+           skinny_o: int = 0, skinny_qkv: int = 0, skinny: bool = False) -> None:
     """The tree's code with the named pieces (False) put back as they were before this script's sessions, or with
     a combine it tried ("slices", "s_then_k"), or the attention's split count forced."""
     from jaxinfer.models import common, moe, qwen3
@@ -160,11 +160,6 @@ def _patch(runner: Any, combine: str = "tree", qk: bool = True, routing: bool = 
     from pallas_kernels.moe_routing import norm_router as nr
 
     moe.NORM_ROUTER = None if norm_router is None else "gpu"
-    # With norm_router: its routing form (moe.NORM_ROUTE; False, the default here: the routing kernel's own launch),
-    # traced anew.
-    moe.NORM_ROUTE = norm_route
-    nr.norm_route = jax.jit(nr.norm_route.__wrapped__, static_argnames=(
-        "eps", "top_k", "renorm", "rows_per_program", "num_warps", "interpret"))
     if norm_router is not None:
         nr.ROWS_PER_PROGRAM, nr.NUM_WARPS = norm_router
     # QK-norm, RoPE and the K and V writes of decode steps as one kernel (common.NORM_ROPE_WRITE, on in the tree since
@@ -253,13 +248,6 @@ VARIANTS: dict[str, Callable[[Any], None]] = {
     # the 37th session, which takes 256: 8 steps).
     "sk_d128": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4),
                                  accumulate=True, skinny=True, swiglu_tiling=SwigluTiling(stages=4, gate_up="cols")),
-    # "sk" with the routing in norm_router's last program (no routing kernel) at 32, 16 and 8 partials, and with
-    # norm_router alone at 8 partials.
-    **{f"sk_route{rows}": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True,
-                                            norm_router=(rows, 4), accumulate=True, skinny=True, norm_route=True)
-       for rows in (64, 128, 256)},
-    "sk_nr256": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(256, 4),
-                                  accumulate=True, skinny=True),
     # "acc" with the output projection, or the q/k/v product, by the skinny_matmul kernel (Mosaic GPU), the output
     # projection's partials summed by XLA with the residual (the in-loop measurement that chose the kernel).
     "acc_sko4": functools.partial(_patch, qkv_split_k=4, pad_rows=None, norm_rope_write=True, norm_router=(64, 4),
@@ -334,8 +322,7 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
 
     from pallas_kernels.moe_routing import norm_router as nr
 
-    saved_nr = (moe.NORM_ROUTER, moe.NORM_ROUTE, nr.ROWS_PER_PROGRAM, nr.NUM_WARPS, qwen3._qkv_parts, qwen3.SKINNY,
-                nr.norm_route)
+    saved_nr = (moe.NORM_ROUTER, nr.ROWS_PER_PROGRAM, nr.NUM_WARPS, qwen3._qkv_parts, qwen3.SKINNY)
     saved = (moe._combine_parts, qwen3.normed_qkv, decode_merge.takes, jaxinfer.attention.write_kv,
              qwen3.QKV_SPLIT_K, qwen3.output_projection, moe_routing._pallas_gpu, moe_routing.NUM_WARPS,
              decode_merge.merge_decode_splits, decode_merge.NUM_WARPS, common.NORM_ROPE_WRITE)
@@ -385,8 +372,7 @@ def run_variant(llm: LLM, name: str, ctx: int, calls: int, hlo_dir: str | None) 
      qwen3.QKV_SPLIT_K, qwen3.output_projection, moe_routing._pallas_gpu, moe_routing.NUM_WARPS,
      decode_merge.merge_decode_splits, decode_merge.NUM_WARPS, common.NORM_ROPE_WRITE) = saved
     attention_gpu.ragged_paged_attention = _SAVED_ATTENTION[0]
-    (moe.NORM_ROUTER, moe.NORM_ROUTE, nr.ROWS_PER_PROGRAM, nr.NUM_WARPS, qwen3._qkv_parts, qwen3.SKINNY,
-     nr.norm_route) = saved_nr
+    moe.NORM_ROUTER, nr.ROWS_PER_PROGRAM, nr.NUM_WARPS, qwen3._qkv_parts, qwen3.SKINNY = saved_nr
     return {"variant": name, "ms_per_iteration": ms_iter, "compile_s": compile_s, "source": source,
             "launches_per_iteration": launches, "kernel_ms_per_iteration": kernel_ms, "first_tokens": tokens[0],
             "kernels": [{"name": n[:100], "per_iteration": c / iters, "us_per_iteration": ms * 1e3 / iters}

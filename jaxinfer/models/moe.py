@@ -133,12 +133,10 @@ def route(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool,
 
 
 def step_routing(x: jax.Array, router: jax.Array, top_k: int, norm_topk_prob: bool,
-                 pair_kernel: PairKernel | None, logits: jax.Array | Routing | None = None) -> Routing:
+                 pair_kernel: PairKernel | None, logits: jax.Array | None = None) -> Routing:
     """`route` for a step of x's tokens: with the pair kernel's own top-k where the step takes the per-pair path
     (a decode step), so routing and experts come from the same set of kernels. `logits`: the router's product
     computed already ([T, E] float32 or [P, T, E] partials), or None."""
-    if isinstance(logits, Routing):  # routed already (norm_router's routing form)
-        return logits
     small = x.shape[0] * top_k <= PAIR_PATH_MAX_PAIRS
     if pair_kernel is None or not small or pair_kernel.select_top_k is None:
         return route(x, router, top_k, norm_topk_prob, logits=logits)
@@ -283,11 +281,11 @@ def moe_block(
     valid: jax.Array | None = None,
     expert_matmul: GroupedMatmul = jax.lax.ragged_dot,
     pair_kernel: PairKernel | None = None,
-    logits: jax.Array | Routing | None = None,
+    logits: jax.Array | None = None,
     residual: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """x [T, D] -> (MoE output [T, D] in x's dtype, per-expert token counts [E] int32). `logits` ([T, E] float32 or
-    [P, T, E] partials): the router's product of x computed already (normed_router_input), or its Routing, or None. `residual`
+    [P, T, E] partials): the router's product of x computed already (normed_router_input), or None. `residual`
     [T, D]: the layer's residual stream, then returned as residual + the MoE output, in residual's dtype; where the
     fused GPU kernel accumulates (`accumulates`), it adds the experts' rows into a float32 copy of the residual, so
     the layer's combine kernel goes (and the sum rounds once, where the unfused path rounds the output first)."""
@@ -318,21 +316,15 @@ def takes_logits(moe_fn: MoEFn) -> bool:
 # (pallas_kernels.moe_routing.norm_router says why). "interpret": that kernel interpreted, on any backend (tests);
 # None: never (XLA's path).
 NORM_ROUTER: str | None = "gpu"
-# Where it serves a step of the per-pair path (at most PAIR_PATH_MAX_PAIRS token-expert pairs), that kernel also
-# routes (norm_router.norm_route: its last program sums the partials and picks the top k), so the routing kernel's
-# launch goes.
-NORM_ROUTE = False
 
 
-def normed_router_input(x: jax.Array, norm_weight: jax.Array, w: MoEWeights, eps: float, moe_fn: MoEFn,
-                        top_k: int | None = None,
-                        norm_topk_prob: bool = False) -> tuple[jax.Array, jax.Array | Routing | None]:
+def normed_router_input(x: jax.Array, norm_weight: jax.Array, w: MoEWeights, eps: float,
+                        moe_fn: MoEFn) -> tuple[jax.Array, jax.Array | None]:
     """A MoE layer's input: (RMSNorm(x) [T, D] in the norm weight's dtype, the router's logits of it as [P, T, E]
-    float32 partials, its Routing, or None).
+    float32 partials, or None).
     Both come from the norm_router kernel where it serves: NORM_ROUTER's backend, a `moe_fn` that takes the logits
-    (one device's whole MoE block), a float router and the kernel's shapes; with NORM_ROUTE, a step of the per-pair
-    path and `top_k` given, the kernel's routing form, which hands over the Routing. Otherwise the norm alone, and
-    the block computes the logits."""
+    (one device's whole MoE block), a float router and the kernel's shapes; otherwise the norm alone, and the block
+    computes the logits."""
     mode = NORM_ROUTER
     dtype = norm_weight.dtype  # the activations' (x may be a float32 residual stream)
     if mode is None or (mode == "gpu" and jax.default_backend() != "gpu") or not takes_logits(moe_fn):
@@ -340,12 +332,5 @@ def normed_router_input(x: jax.Array, norm_weight: jax.Array, w: MoEWeights, eps
     router = w.router.astype(dtype)
     if not norm_router.takes(x, norm_weight, router, norm_router.ROWS_PER_PROGRAM):
         return rms_norm(x, norm_weight, eps).astype(dtype), None
-    if (NORM_ROUTE and top_k is not None and x.shape[0] * top_k <= PAIR_PATH_MAX_PAIRS
-            and norm_router.takes_route(x, norm_weight, router, top_k, norm_router.ROWS_PER_PROGRAM)):
-        h, weights, experts = norm_router.norm_route(
-            x, norm_weight, router, eps=eps, top_k=top_k, renorm=norm_topk_prob,
-            rows_per_program=norm_router.ROWS_PER_PROGRAM, num_warps=norm_router.NUM_WARPS,
-            interpret=mode == "interpret")
-        return h, Routing(weights=weights, experts=experts)
     return norm_router.norm_router(x, norm_weight, router, eps=eps, rows_per_program=norm_router.ROWS_PER_PROGRAM,
                                    num_warps=norm_router.NUM_WARPS, interpret=mode == "interpret")

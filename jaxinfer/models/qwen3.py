@@ -54,8 +54,8 @@ from jaxinfer.models.common import (
     takes_norm_rope_write,
 )
 from jaxinfer.models.fused import FusedColumns
-from jaxinfer.models.moe import (MoEFn, MoEWeights, Routing, moe_block, moe_specs, normed_router_input,
-                                  takes_logits, valid_tokens)
+from jaxinfer.models.moe import (MoEFn, MoEWeights, moe_block, moe_specs, normed_router_input, takes_logits,
+                                  valid_tokens)
 from jaxinfer.params import Init, ParamSpec
 from jaxinfer.sharding import Logical as L
 from pallas_kernels import moe_routing
@@ -291,12 +291,11 @@ def attention_block(
 
 
 def feed_forward(layer: Qwen3Layer, h: jax.Array, x: jax.Array, cfg: ModelConfig, valid: jax.Array, moe_fn: MoEFn,
-                 linear: Linear = DEFAULT_LINEAR,
-                 logits: jax.Array | Routing | None = None) -> tuple[jax.Array, jax.Array]:
+                 linear: Linear = DEFAULT_LINEAR, logits: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
     """(h [T, D] the normed input, x [T, D] the residual) -> (x + the MLP or MoE output [T, D], tokens routed to each
-    expert [E] int32; zeros for a dense layer). `logits`: the MoE router's product of h computed already, or its
-    Routing (moe.normed_router_input), or None. A MoE block that takes the residual (one device's whole block) adds
-    it itself: the GPU's fused expert kernel adds its rows into it."""
+    expert [E] int32; zeros for a dense layer). `logits`: the MoE router's product of h computed already
+    (moe.normed_router_input), or None. A MoE block that takes the residual (one device's whole block) adds it
+    itself: the GPU's fused expert kernel adds its rows into it."""
     if layer.moe is None:
         out = gated_mlp(h, layer.mlp.w_gate, layer.mlp.w_up, layer.mlp.w_down, "silu", linear)
         return x + out, no_expert_counts(cfg)
@@ -322,8 +321,7 @@ def decoder_layer(layer: Qwen3Layer, x: jax.Array, k_pages: jax.Array, v_pages: 
     if layer.moe is None:
         h, logits = rms_norm(x, layer.mlp_norm, eps).astype(layer.mlp_norm.dtype), None
     else:  # decode steps on a GPU: the norm and the router's product in one kernel
-        h, logits = normed_router_input(x, layer.mlp_norm, layer.moe, eps, moe_fn, cfg.num_experts_per_tok,
-                                        cfg.norm_topk_prob)
+        h, logits = normed_router_input(x, layer.mlp_norm, layer.moe, eps, moe_fn)
     x, counts = feed_forward(layer, h, x, cfg, valid, moe_fn, linear, logits)
     return x, k_pages, v_pages, counts
 

@@ -82,29 +82,11 @@ def takes(num_tokens: int, num_experts: int, top_k: int) -> bool:
             and num_tokens * num_experts <= _MAX_BLOCK)
 
 
-# The kernel ranks every expert against every other at once where the [T, E, E] comparison has at most this many
-# elements (two reductions; the 2-row decode bucket's 2 x 128 x 128), and takes k rounds of a row max otherwise
-# (2k reductions, each a round trip through shared memory). RANK_SELECT False: the rounds always.
-RANK_MAX_ELEMENTS = 32 * 1024
-RANK_SELECT = False
-
-
-def _top_by_rank(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
-    """(top logits [T, k], their ids [T, k]) by each expert's rank: how many others beat it (a higher logit, or an
-    equal one and a lower id, as jax.lax.top_k breaks ties)."""
-    tokens, num_experts = logits.shape
-    ids = jnp.arange(num_experts, dtype=jnp.int32)
-    mine, other = logits[:, :, None], logits[:, None, :]  # [T, E, 1], [T, 1, E]
-    beats = (other > mine) | ((other == mine) & (ids[None, None, :] < ids[None, :, None]))  # [T, E, E]
-    rank = jnp.sum(beats.astype(jnp.int32), axis=2)  # [T, E]
-    at = rank[:, None, :] == jnp.arange(top_k, dtype=jnp.int32)[None, :, None]  # [T, k, E]: expert e in slot j
-    top = jnp.sum(jnp.where(at, logits[:, None, :], 0.0), axis=2)  # [T, k]
-    pick = jnp.sum(jnp.where(at, ids[None, None, :], 0), axis=2)  # [T, k]
-    return top, pick
-
-
-def _top_by_rounds(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]:
-    """(top logits [T, k], their ids [T, k]) in k rounds of a row max and the lowest id that reaches it."""
+def _kernel(logits_ref, weights_ref, experts_ref, *, top_k: int, renorm: bool):
+    # logits_ref [P, T, E] f32 partial sums; weights_ref [T, k] f32; experts_ref [T, k] i32.
+    logits = logits_ref[0]
+    for p in range(1, logits_ref.shape[0]):  # P is small (<= 32) and static: unrolled loads of [T, E]
+        logits = logits + logits_ref[p]
     tokens, num_experts = logits.shape
     col = jnp.broadcast_to(jnp.arange(num_experts, dtype=jnp.int32)[None, :], (tokens, num_experts))  # [T, E]
     slot = jnp.broadcast_to(jnp.arange(top_k, dtype=jnp.int32)[None, :], (tokens, top_k))  # [T, k]
@@ -117,31 +99,14 @@ def _top_by_rounds(logits: jax.Array, top_k: int) -> tuple[jax.Array, jax.Array]
         top = jnp.where(slot == j, best[:, None], top)
         ids = jnp.where(slot == j, pick[:, None], ids)
         rest = jnp.where(col == pick[:, None], -jnp.inf, rest)
-    return top, ids
-
-
-def select(logits: jax.Array, top_k: int, renorm: bool) -> tuple[jax.Array, jax.Array]:
-    """The kernel's routing of float32 logits [T, E] held in registers: (weights [T, k] f32, experts [T, k] i32),
-    by rank or by rounds (RANK_MAX_ELEMENTS; Triton block operations only; norm_router's routing form runs it
-    too)."""
-    tokens, num_experts = logits.shape
-    by_rank = RANK_SELECT and tokens * num_experts * num_experts <= RANK_MAX_ELEMENTS
-    top, ids = (_top_by_rank if by_rank else _top_by_rounds)(logits, top_k)
     high = jnp.max(top, axis=1)[:, None]  # [T, 1]: the largest logit, slot 0's
     scaled = jnp.exp(top - high)  # [T, k]
     if renorm:
         total = jnp.sum(scaled, axis=1)[:, None]
     else:
         total = jnp.sum(jnp.exp(logits - high), axis=1)[:, None]  # the full softmax's denominator
-    return scaled / total, ids
-
-
-def _kernel(logits_ref, weights_ref, experts_ref, *, top_k: int, renorm: bool):
-    # logits_ref [P, T, E] f32 partial sums; weights_ref [T, k] f32; experts_ref [T, k] i32.
-    logits = logits_ref[0]
-    for p in range(1, logits_ref.shape[0]):  # P is small (<= 32) and static: unrolled loads of [T, E]
-        logits = logits + logits_ref[p]
-    weights_ref[...], experts_ref[...] = select(logits, top_k, renorm)
+    weights_ref[...] = scaled / total
+    experts_ref[...] = ids
 
 
 @functools.partial(jax.jit, static_argnames=("top_k", "renorm", "interpret"))
@@ -180,4 +145,4 @@ def top_k_routing(logits: jax.Array, top_k: int, renorm: bool, *, impl: Impl = "
     return _pallas_gpu(logits, top_k, renorm, interpret)
 
 
-__all__ = ["reference", "router_splits", "select", "split_router_logits", "takes", "top_k_routing"]
+__all__ = ["reference", "router_splits", "split_router_logits", "takes", "top_k_routing"]

@@ -28,14 +28,12 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels import moe_routing
 from pallas_kernels.moe_routing import split_router_logits
 
 MAX_TOKENS = 16  # decode buckets: a step of 16 tokens at top-8 is the per-pair path's largest (moe.PAIR_PATH_MAX_PAIRS)
 ROWS_PER_PROGRAM = 64  # router rows a program multiplies ([64, E] of it in registers): D / 64 partials
 NUM_WARPS = 4  # per program
-_MAX_BLOCK = 16 * 1024  # router elements a program holds in registers at once
-_CHUNK_ROWS = 64  # router rows a program multiplies at once (a program's rows in chunks of this many)
+_MAX_BLOCK = 16 * 1024  # rows_per_program * E a program holds
 
 
 def _pow2(n: int) -> bool:
@@ -51,7 +49,7 @@ def takes(x: jax.Array, weight: jax.Array, router: jax.Array, rows_per_program: 
     d, e = router.shape
     return (router.dtype in (jnp.bfloat16, jnp.float16) and x.dtype in (router.dtype, jnp.float32)
             and _pow2(d) and _pow2(e)
-            and _pow2(rows_per_program) and rows_per_program <= d and min(rows_per_program, _CHUNK_ROWS) * e <= _MAX_BLOCK
+            and _pow2(rows_per_program) and rows_per_program <= d and rows_per_program * e <= _MAX_BLOCK
             and 1 <= x.shape[0] <= MAX_TOKENS)
 
 
@@ -69,58 +67,21 @@ def reference(x: jax.Array, weight: jax.Array, router: jax.Array, eps: float,
 def _kernel(x_ref, w_ref, r_ref, h_ref, logits_ref, *, eps: float, rows: int):
     # One program per slice of `rows` of D: x_ref [T, D]; w_ref [D]; r_ref [D, E]; h_ref [T, D] (each program its
     # slice); logits_ref [P, T, E] f32 (each program its partial).
-    _norm_partial(x_ref, w_ref, r_ref, h_ref, logits_ref, eps=eps, rows=rows)
-
-
-def _route_kernel(x_ref, w_ref, r_ref, _, h_ref, logits_ref, weights_ref, experts_ref, count_ref, *, eps: float,
-                  rows: int, top_k: int, renorm: bool, interpret: bool):
-    # _kernel's operands, and count_ref [1] i32 (zero between calls; aliased to the count input `_`), weights_ref
-    # [T, k] f32, experts_ref [T, k] i32: written by the program that finishes last.
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.triton as plt
-
-    _norm_partial(x_ref, w_ref, r_ref, h_ref, logits_ref, eps=eps, rows=rows)
-    zero = jnp.zeros((), jnp.int32)  # the count's index (an array: the atomics take no Python int)
-    # Every thread's stores of the partial are issued before the program counts itself done; the count is an
-    # acquire-release at GPU scope, so the program that sees all others done also sees their partials.
-    if not interpret:  # the interpreter runs one program after another
-        plt.debug_barrier()
-    done = plt.atomic_add(count_ref, zero, jnp.ones((), jnp.int32))
-
-    @pl.when(done == pl.num_programs(0) - 1)
-    def _route():
-        # Volatile: from L2, where the other programs' partials are (this SM's L1 does not see their stores; JAX
-        # 0.11.2's Triton lowering cannot look up cache_modifier=".cg").
-        logits = jnp.sum(plt.load(logits_ref, volatile=True), axis=0)  # [P, T, E] -> [T, E]
-        weights_ref[...], experts_ref[...] = moe_routing.select(logits, top_k, renorm)
-        # Zero again for the next call: every program has counted (P), none will again.
-        plt.atomic_add(count_ref, zero, jnp.full((), -pl.num_programs(0), jnp.int32))
-
-
-def _norm_partial(x_ref, w_ref, r_ref, h_ref, logits_ref, *, eps: float, rows: int):
     import jax.experimental.pallas as pl
 
     p = pl.program_id(0)
     f32 = jnp.float32
+    mine = pl.ds(p * rows, rows)
     num_tokens, d = x_ref.shape
-    chunk = min(rows, _CHUNK_ROWS)  # router rows held in registers at once
-    invs = []
+    weight = w_ref[mine].astype(f32)  # [rows]
+    router = r_ref[mine, :].astype(f32)  # [rows, E], read once for every token
     for t in range(num_tokens):
-        x = x_ref[pl.ds(t, 1), :].astype(f32)  # [1, D]: the whole row, for its sum of squares
-        invs.append(jax.lax.rsqrt(jnp.sum(x * x) / d + eps))
-    acc = [None] * num_tokens
-    for c in range(rows // chunk):
-        mine = pl.ds(p * rows + c * chunk, chunk)
-        weight = w_ref[mine].astype(f32)  # [chunk]
-        router = r_ref[mine, :].astype(f32)  # [chunk, E], read once for every token
-        for t in range(num_tokens):
-            row = pl.ds(t, 1)  # a one-row slice: the ref indexers take a slice or a traced index, not a Python int
-            h = (x_ref[row, mine].astype(f32) * invs[t] * weight[None, :]).astype(h_ref.dtype)  # [1, chunk], rounded
-            h_ref[row, mine] = h  # as the model rounds its normed rows
-            part = jnp.sum(h.astype(f32).reshape(chunk, 1) * router, axis=0)  # [E]
-            acc[t] = part if acc[t] is None else acc[t] + part
-    for t in range(num_tokens):
-        logits_ref[pl.ds(p, 1), pl.ds(t, 1), :] = acc[t][None, None, :]
+        row = pl.ds(t, 1)  # a one-row slice: the ref indexers take a slice or a traced index, not a Python int
+        x = x_ref[row, :].astype(f32)  # [1, D]: the whole row, for its sum of squares
+        inv = jax.lax.rsqrt(jnp.sum(x * x) / d + eps)
+        h = (x_ref[row, mine].astype(f32) * inv * weight[None, :]).astype(h_ref.dtype)  # [1, rows], rounded as
+        h_ref[row, mine] = h  # the model rounds its normed rows
+        logits_ref[pl.ds(p, 1), row, :] = jnp.sum(h.astype(f32).reshape(rows, 1) * router, axis=0)[None, None, :]
 
 
 @functools.partial(jax.jit, static_argnames=("eps", "rows_per_program", "num_warps", "interpret"))
@@ -149,44 +110,4 @@ def norm_router(x: jax.Array, weight: jax.Array, router: jax.Array, *, eps: floa
     )(x, weight, router)
 
 
-def takes_route(x: jax.Array, weight: jax.Array, router: jax.Array, top_k: int,
-                rows_per_program: int = ROWS_PER_PROGRAM) -> bool:
-    """Whether `norm_route` takes these operands: `takes`, and the routing kernel's [T, E] block (powers of two)."""
-    return (takes(x, weight, router, rows_per_program)
-            and moe_routing.takes(x.shape[0], router.shape[1], top_k))
-
-
-@functools.partial(jax.jit, static_argnames=("eps", "top_k", "renorm", "rows_per_program", "num_warps", "interpret"))
-def norm_route(x: jax.Array, weight: jax.Array, router: jax.Array, *, eps: float, top_k: int, renorm: bool,
-               rows_per_program: int = ROWS_PER_PROGRAM, num_warps: int = NUM_WARPS,
-               interpret: bool = False) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """(h [T, D], routing weights [T, k] float32, experts [T, k] int32): norm_router and then
-    moe_routing.top_k_routing of its partials, in one launch. Each program counts itself done on a zeroed int32
-    (an atomic add); the one that finishes last sums the P partials and routes, as the routing kernel did in a
-    launch of its own, and zeroes the count again."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.triton as plt
-
-    if not takes_route(x, weight, router, top_k, rows_per_program):
-        raise ValueError(f"norm_route takes norm_router's operands with a power-of-two T and top_k <= E; got x "
-                         f"{x.shape} {x.dtype}, router {router.shape} {router.dtype}, top_k {top_k}")
-    num_tokens, d = x.shape
-    splits = d // rows_per_program
-    count = jnp.zeros((1,), jnp.int32)
-    h, _, weights, experts, _ = pl.pallas_call(
-        functools.partial(_route_kernel, eps=float(eps), rows=rows_per_program, top_k=top_k, renorm=renorm,
-                          interpret=bool(interpret)),
-        out_shape=(jax.ShapeDtypeStruct((num_tokens, d), router.dtype),
-                   jax.ShapeDtypeStruct((splits, num_tokens, router.shape[1]), jnp.float32),
-                   jax.ShapeDtypeStruct((num_tokens, top_k), jnp.float32),
-                   jax.ShapeDtypeStruct((num_tokens, top_k), jnp.int32),
-                   jax.ShapeDtypeStruct((1,), jnp.int32)),
-        grid=(splits,),
-        input_output_aliases={3: 4},
-        compiler_params=plt.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret, name="norm_route",
-    )(x, weight, router, count)
-    return h, weights, experts
-
-
-__all__ = ["MAX_TOKENS", "norm_route", "norm_router", "reference", "takes", "takes_route"]
+__all__ = ["MAX_TOKENS", "norm_router", "reference", "takes"]
