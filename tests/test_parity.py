@@ -94,9 +94,11 @@ def test_pallas_tpu_kernel_in_interpret_mode_gives_hf_greedy_tokens(smollm2_gold
     decode steps: the two multi-step loop programs took 29 of the 49 s this engine spent compiling on 2 cores;
     the kernel inside the loop is checked on a tiny model (tests/engine/test_tpu_kernel_decode_loop.py). One
     16-token bucket: each interpreted forward took ~70 s of compile in the suite, and the two 18-token prompts
-    then prefill in chunks that share steps with decoding rows, which the kernel must take as well."""
+    then prefill in chunks that share steps with decoding rows, which the kernel must take as well. Float weights
+    (the fixture's tests pin the kept-quantized ones): the reference's int4 unpacking in every matmul made this
+    test 31.5 s instead of 16.0 (alone, from an empty compilation cache)."""
     llm_tpu = LLM("smollm2-135m-instruct", **{**ENGINE_KW, "attention_impl": "pallas_tpu", "interpret": True,
-                                              "max_num_batched_tokens": 16, "max_num_seqs": 4,
+                                              "quantization": "none", "max_num_batched_tokens": 16, "max_num_seqs": 4,
                                               "decode_steps_per_call": 1})
     cases = smollm2_golden["greedy"][1:3]
     outs = llm_tpu.generate([c["prompt_ids"] for c in cases], [greedy_params(12) for _ in cases])
