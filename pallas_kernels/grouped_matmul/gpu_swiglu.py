@@ -79,9 +79,10 @@ def default_tiling(pairs: int, f: int, d: int | None = None) -> SwigluTiling:
     kernel 25.9 -> 22.3 us a layer at 1 live token of 2, the weight bytes at the measured copy rate (one H200,
     scripts/profile_moe_block.py; 3, 6 and 8 stages and tile_k 256 were 22.7-24.5 us;
     docs/benchmarks/swiglu_cols_h200_2026-11-29.json). At 8 live tokens of 16 "cols" gained ~2% (137.4 against
-    140.1 us at 128 x 64 x 4) and "rows" stays. Its down projection takes 256 D channels a step (8 steps, 32 KB
-    each, where 128 made 16 of 16 KB): 22.0-22.2 -> 21.7-21.8 us a layer in the batch-1 loop on two H200 leases
-    (docs/benchmarks/moe_b1_down_prefetch_h200_2026-11-30.json, moe_b1_norm_route_partials_h200_2026-11-30.json)."""
+    140.1 us at 128 x 64 x 4) and "rows" stays. Given D a multiple of 256, that bucket's down projection takes 256 D
+    channels a step (Qwen3-30B-A3B: 8 steps of 32 KB, where 128 made 16 of 16 KB): 22.0-22.2 -> 21.7-21.8 us a
+    layer in the batch-1 loop on two H200 leases (docs/benchmarks/moe_b1_down_prefetch_h200_2026-11-30.json,
+    moe_b1_norm_route_partials_h200_2026-11-30.json)."""
     if pairs > 16 and f % 128 == 0:
         return SwigluTiling(tile_f=128, tile_k=64)
     if d is not None and d % 256 == 0:
