@@ -14,7 +14,11 @@ pytestmark = pytest.mark.slow
 NGRAM = {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 # The model as its own draft: a valid draft (same tokenizer) whose greedy proposals are all accepted.
 SELF_DRAFT = {"method": "draft", "model": "smollm2-135m-instruct", "num_speculative_tokens": 3}
-KW = {**ENGINE_KW, "max_num_batched_tokens": 32, "max_num_seqs": 4}  # fewer buckets to compile than test_parity's
+# One 16-token bucket, fewer to compile than test_parity's: four decoding rows with a draft's 3 proposals fill it
+# exactly, n-gram rows share what is left of it, and the longer prompts prefill in chunks. Against 16 and 32 (each
+# alone, from an empty compilation cache): the TP-3 self-draft test 70.8 -> 53.9 s, the n-gram tests with their
+# fixture 43.9 -> 37.8 s.
+KW = {**ENGINE_KW, "max_num_batched_tokens": 16, "max_num_seqs": 4}
 
 
 def _always_speculate(llm: LLM) -> LLM:
@@ -82,11 +86,8 @@ def test_quantized_self_draft_under_tensor_parallel_3_equals_hf(smollm2_golden: 
     (draft_tensor_parallel_size=1): the proposals move to the target's devices for verification; the output is
     HF's tokens, and the int4 draft agrees with its float target nearly always."""
     spec = {**SELF_DRAFT, "draft_tensor_parallel_size": 1}
-    # One 16-token bucket: four decoding rows with their 3 proposals fill it exactly, and the longer prompts prefill
-    # in chunks. With 16 and 32, the 32-token forward, verification and draft programs took a third of this test
-    # (alone, from an empty compilation cache: 70.8 -> 53.9 s).
     llm = _always_speculate(LLM("smollm2-135m-instruct", tensor_parallel_size=3, speculative=spec,
-                                **{**KW, "quantization": "none", "max_num_batched_tokens": 16}))
+                                **{**KW, "quantization": "none"}))
     assert len(llm.engine.spec.draft.runner.mesh.devices.flat) == 1
     assert not llm.quant_plan and llm.draft.plan  # float target, quantized draft
     _check_goldens(llm, smollm2_golden["greedy"])
