@@ -20,6 +20,8 @@
 #   gmm_quick    gmm with the tuned tilings only, bf16 and int8 weights (a first look that fits beside the tests)
 #   gmm_prefill  gmm at the 4k-token prefill shape, bf16, with every tiling variant (rows vs rows_ws)
 #   moe_block    one Qwen3-30B-A3B MoE layer at the engine's decode and prefill shapes: time, kernels, glue
+#   swiglu_sms   the fused SwiGLU expert kernel's stream against its CTA count (scripts/swiglu_sm_probe.py):
+#                $OUT/swiglu_sm_probe.json
 #   swiglu       the fused per-pair SwiGLU kernel: its gpu-marked tests (and gather_matmul's), then one MoE layer
 #                at the decode buckets with it (engine), without it (pairs3) and at other tilings
 #   describe     llm.describe() of Llama-3-8B shape on one GPU (per-device weight/KV bytes, collectives)
@@ -171,6 +173,8 @@ for section in "$@"; do
         --out "$OUT/gmm_prefill.json" ;;
     moe_block)
       run moe_block 200 python3 scripts/profile_moe_block.py --out "$OUT/moe_block.json" ;;
+    swiglu_sms)
+      run swiglu_sms 120 python3 scripts/swiglu_sm_probe.py --out "$OUT/swiglu_sm_probe.json" ;;
     swiglu)
       run swiglu_tests 240 python3 -m pytest -q -m gpu -k "swiglu or gather or routing" tests/pallas_kernels/test_grouped_matmul.py \
         tests/pallas_kernels/test_moe_routing.py
