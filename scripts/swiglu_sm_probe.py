@@ -23,7 +23,7 @@ from jaxinfer.bench.measure import device_events
 from pallas_kernels.grouped_matmul import gpu_swiglu
 
 
-def time_top_k(top_k: int, tiling: gpu_swiglu.SwigluTiling | None, d: int, f: int, experts: int,
+def time_top_k(top_k: int, tiling: gpu_swiglu.SwigluTiling, d: int, f: int, experts: int,
                calls: int) -> dict:
     """Device us per kernel call with one live token of a 2-token bucket routed to `top_k` experts."""
     kg, ku, kd, kx = jax.random.split(jax.random.key(top_k), 4)
@@ -52,10 +52,9 @@ def time_top_k(top_k: int, tiling: gpu_swiglu.SwigluTiling | None, d: int, f: in
         by_name[name].append(ms)
     kernel = [v for k, v in by_name.items() if "swiglu" in k][0]
     us = float(np.median(kernel)) * 1e3
-    t = tiling or gpu_swiglu.default_tiling(2 * top_k, f)
     moved = top_k * 3 * d * f * 2
-    return {"top_k": top_k, "ctas": top_k * f // t.tile_f, "us": us, "mb": moved / 1e6, "gbs": moved / us / 1e3,
-            "calls": len(kernel), "tiling": str(t)}
+    return {"top_k": top_k, "ctas": top_k * f // tiling.tile_f, "us": us, "mb": moved / 1e6, "gbs": moved / us / 1e3,
+            "calls": len(kernel), "tiling": str(tiling)}
 
 
 def main() -> None:

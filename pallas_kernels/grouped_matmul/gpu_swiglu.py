@@ -70,7 +70,7 @@ class SwigluTiling:
     gate_up: str = "rows"
 
 
-def default_tiling(pairs: int, f: int, d: int | None = None) -> SwigluTiling:
+def default_tiling(pairs: int, f: int, d: int) -> SwigluTiling:
     """Slices of 64 channels for the batch-1 bucket (16 pairs at top-8: its 8 live pairs x 12 slices of
     Qwen3-30B-A3B's F = 768 are 96 CTAs), of 128 above it, where slices of 64 make more CTAs than the SMs
     take at once and each re-reads the x tile (one H200, one layer at 8 live tokens of a 16-token bucket:
@@ -85,7 +85,7 @@ def default_tiling(pairs: int, f: int, d: int | None = None) -> SwigluTiling:
     moe_b1_norm_route_partials_h200_2026-11-30.json)."""
     if pairs > 16 and f % 128 == 0:
         return SwigluTiling(tile_f=128, tile_k=64)
-    if d is not None and d % 256 == 0:
+    if d % 256 == 0:
         return SwigluTiling(stages=4, gate_up="cols", tile_d=256)
     return SwigluTiling(stages=4, gate_up="cols")
 

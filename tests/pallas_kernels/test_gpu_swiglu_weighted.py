@@ -150,7 +150,7 @@ def test_gpu_weighted_swiglu_at_qwen3_decode(rng, tokens, offset, tiling):
     experts, weights, valid = _routing(rng, tokens, 8, groups, offset)
     x = jax.random.normal(jax.random.key(int(rng.integers(2**31))), (tokens, d), jnp.bfloat16)
     wg, wu, wd = _weights(jax.random.key(int(rng.integers(2**31))), groups, d, f)
-    slices = f // (tiling or gpu_swiglu.default_tiling(tokens * 8, f)).tile_f
+    slices = f // (tiling or gpu_swiglu.default_tiling(tokens * 8, f, d)).tile_f
     poison = jnp.full((slices, 8, tokens, d), jnp.nan, jnp.float32).block_until_ready()
     poison.delete()
     parts = gpu_swiglu.swiglu_experts(x, wg, wu, wd, jnp.asarray(experts), jnp.asarray(valid), offset,

@@ -594,7 +594,7 @@ def test_swiglu_experts_gpu_kernel_in_interpret_mode_matches_oracle(rng, name):
     x = jnp.asarray(rng.standard_normal((tokens, d)), jnp.bfloat16)
     wg, wu, wd = _swiglu_weights(jax.random.key(int(rng.integers(2**31))), groups, d, f)
     parts = swiglu_experts(x, wg, wu, wd, experts, valid, offset, impl="pallas_gpu", interpret=True, tiling=tiling)
-    slices = f // (tiling or gpu_swiglu.default_tiling(tokens * top_k, f)).tile_f
+    slices = f // (tiling or gpu_swiglu.default_tiling(tokens * top_k, f, d)).tile_f
     assert parts.shape == (slices, top_k, tokens, d) and parts.dtype == jnp.float32
     live = _live(experts, valid, offset, groups)
     assert 0 < live.sum() < live.size
@@ -623,13 +623,13 @@ def test_swiglu_experts_takes_16_bit_weights_only_and_checks_tilings():
 
 def test_swiglu_default_tiling_by_pairs():
     """64-channel slices for the batch-1 bucket's 16 pairs, 128 above it where F allows; both fit SMEM."""
-    assert gpu_swiglu.default_tiling(16, 768).tile_f == 64
-    assert gpu_swiglu.default_tiling(128, 768).tile_f == 128
-    assert gpu_swiglu.default_tiling(128, 64 * 5).tile_f == 64  # 320 channels: no 128 slices
+    assert gpu_swiglu.default_tiling(16, 768, 2048).tile_f == 64
+    assert gpu_swiglu.default_tiling(128, 768, 2048).tile_f == 128
+    assert gpu_swiglu.default_tiling(128, 64 * 5, 2048).tile_f == 64  # 320 channels: no 128 slices
     assert gpu_swiglu.default_tiling(16, 768, 2048).tile_d == 256  # the batch-1 bucket's down steps, where D allows
     assert gpu_swiglu.default_tiling(16, 768, 128 * 3).tile_d == 128
     for pairs, f in ((16, 768), (128, 768), (128, 14336)):
-        gpu_swiglu.check_tiling(gpu_swiglu.default_tiling(pairs, f), 2048, f)
+        gpu_swiglu.check_tiling(gpu_swiglu.default_tiling(pairs, f, 2048), 2048, f)
 
 
 @pytest.mark.parametrize("d, f, tiling", [
