@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -102,9 +103,14 @@ def test_goldens_exercise_what_they_claim() -> None:
 
 @pytest.mark.gpu
 def test_gpu_expert_kernels_match_the_reference_path() -> None:
-    """On a GPU, a two-layer Qwen3-30B-A3B-shaped model (random bf16 weights) scores the same prompts with the
-    engine's expert kernels as with the jnp reference (attention_impl="xla": ragged_dot experts): a 12-token
-    prompt runs the per-pair decode path (12 x top-8 pairs), a 300-token one the grouped kernel."""
+    """On a GPU, a two-layer Qwen3-30B-A3B-shaped model (random weights) scores the same prompts with the engine's
+    expert kernels in bf16 ("auto") no further from a float32 run than the bf16 jnp reference path is
+    (attention_impl="xla": ragged_dot experts): a 12-token prompt runs the per-pair decode path (12 x top-8 pairs),
+    a 300-token one the grouped kernel.
+
+    Judged against float32, not against each other: two bf16 paths round differently, and a fixed bound between them
+    (0.1) was passed on one lease and missed by one prompt position (0.109) on another, with the same code. A wrong
+    expert or a dropped pair moves log-probabilities by whole units, far past the slack below."""
     import dataclasses
 
     from jaxinfer.presets import load_preset
@@ -114,15 +120,22 @@ def test_gpu_expert_kernels_match_the_reference_path() -> None:
     prompts = [rng.integers(0, cfg.vocab_size, n).tolist() for n in (12, 300)]
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
     scores = {}
-    for impl in ("auto", "xla"):
-        llm = LLM(cfg, random_weights=True, seed=0, dtype="bfloat16", attention_impl=impl, max_num_seqs=4,
-                  max_model_len=512, num_pages=64, use_tqdm=False)
-        # One prompt per call, so the short one has a step of its own (a 16-token bucket: the per-pair path).
-        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
-        scores[impl] = [np.array([float(lp[t]) for lp, t in zip(o.prompt_logprobs[1:], p[1:])])
+    # The same seed draws the same float32 weights; the bf16 runs round them, so both bf16 paths share that error.
+    for name, impl, dtype in (("kernels", "auto", "bfloat16"), ("reference", "xla", "bfloat16"),
+                              ("float32", "xla", "float32")):
+        # float32 products at full precision: a GPU's default for them is TF32 (10-bit mantissa).
+        with jax.default_matmul_precision("highest" if dtype == "float32" else None):
+            llm = LLM(cfg, random_weights=True, seed=0, dtype=dtype, attention_impl=impl, max_num_seqs=4,
+                      max_model_len=512, num_pages=64, use_tqdm=False, warmup=False)
+            # One prompt per call, so the short one has a step of its own (a 16-token bucket: the per-pair path).
+            outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0] for p in prompts]
+        scores[name] = [np.array([float(lp[t]) for lp, t in zip(o.prompt_logprobs[1:], p[1:])])
                         for o, p in zip(outs, prompts)]
         del llm
-    for ours, ref in zip(scores["auto"], scores["xla"]):
+    for ours, ref, exact in zip(scores["kernels"], scores["reference"], scores["float32"]):
         assert np.isfinite(ours).all()
-        # bf16 activations: the two paths round differently, so the bound is loose but far below a wrong expert.
-        assert np.max(np.abs(ours - ref)) < 0.1, np.max(np.abs(ours - ref))
+        ours_err, ref_err = np.abs(ours - exact), np.abs(ref - exact)
+        print(f"{len(exact) + 1} tokens: |kernels - f32| max {ours_err.max():.4f} mean {ours_err.mean():.4f}; "
+              f"|reference - f32| max {ref_err.max():.4f} mean {ref_err.mean():.4f}")
+        assert ours_err.mean() <= 1.5 * ref_err.mean() + 1e-3, (ours_err.mean(), ref_err.mean())
+        assert ours_err.max() <= 1.5 * ref_err.max() + 1e-2, (ours_err.max(), ref_err.max())
