@@ -145,10 +145,10 @@ for section in "$@"; do
       run attn_groups 270 python3 -m pytest -q -m gpu --durations=10 -k every_group tests/pallas_kernels ;;
     attn_prefill)
       run attn_prefill_tests 200 python3 -m pytest -q -m gpu -k "prefill_kernel or long_prefill" \
-        tests/pallas_kernels/test_ragged_paged_attention.py
+        tests/pallas_kernels/test_ragged_paged_attention_gpu.py
       run attn_prefill 200 python3 scripts/bench_kernels.py --sections ceilings,prefill --out "$OUT/prefill_attention.json" ;;
     attn_access)
-      run attn_access_test 120 python3 -m pytest -q -m gpu -k access_ceiling tests/pallas_kernels/test_ragged_paged_attention.py
+      run attn_access_test 120 python3 -m pytest -q -m gpu -k access_ceiling tests/pallas_kernels/test_ragged_paged_attention_gpu.py
       run attn_access 300 python3 scripts/attention_access_ceiling.py --out "$OUT/attn_access.json" ;;
     kv_write)
       run kv_write 150 python3 scripts/bench_kernels.py --sections kv_write --out "$OUT/kv_write.json" ;;

@@ -332,7 +332,7 @@ def test_many_rows_dequantize_then_dot(rng, m, bits, group, zp):
 def test_gpu_kernel_lowers_for_cuda(name):
     """Mosaic GPU's Python passes (layout inference, wgmma operand and swizzle checks, TMA boxes,
     SMEM limits) run when lowering for CUDA, so this checks a kernel without a GPU (see
-    test_ragged_paged_attention.test_gpu_kernel_lowers_for_cuda for the bindings)."""
+    test_ragged_paged_attention_gpu.test_gpu_kernel_lowers_for_cuda for the bindings)."""
     shapes = {"llama_up_int4": (1, 4096, 14336, 4, 128, False), "llama_down_int8": (64, 14336, 4096, 8, None, False),
               "w8a8_prefill": (4096, 4096, 14336, 8, None, "w8a8")}
     m, k, n, bits, group, mode = shapes.get(name) or GPU_CASES[name]
