@@ -1,0 +1,194 @@
+"""CPU batch-32 decode of the bundled SmolLM2-135M under code variants, alternating in one process
+(docs/PERFORMANCE.md, "CPU": the thirty-eighth session's variants that did not move `jaxinfer bench --device cpu`).
+
+Why one process: on a shared 2-core VM the same tree's 64-token runs moved 4.5-5.7 s within minutes, so variants
+timed in separate processes compare machine states, not code. Here each variant's engine is built with its patch
+applied (the sampler's code is read when its programs are traced), then all engines run the same greedy 64-token
+batch in turn, `--rounds` times; best and median per variant.
+
+    PYTHONPATH=$PWD python scripts/cpu_decode_variants.py engine tree argmax
+    PYTHONPATH=$PWD python scripts/cpu_decode_variants.py engine tree lean_logprobs
+    PYTHONPATH=$PWD python scripts/cpu_decode_variants.py engine tree steps16
+    PYTHONPATH=$PWD python scripts/cpu_decode_variants.py attention      # 30 layers of decode attention alone
+
+Variants (engine mode):
+    tree           the code as it is
+    argmax         jnp.argmax in the sampler as a max and the first index holding it (no variadic reduce)
+    lean_logprobs  the chosen token's logprob and rank from the raw logits and their log-sum-exp, with no [S, V]
+                   log-softmax array
+    steps16        decode_steps_per_call=16 instead of the CPU default
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import functools
+import time
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _first_max_index(x: jax.Array, axis: int = -1) -> jax.Array:
+    """argmax over the last axis as two plain reductions: [S, V] -> [S]."""
+    top = x.max(axis=-1, keepdims=True)  # [S, 1]
+    idx = jnp.arange(x.shape[-1], dtype=jnp.int32)  # [V]
+    return jnp.min(jnp.where(x == top, idx, x.shape[-1]), axis=-1)
+
+
+def _lean_logprob_outputs(logits, ids, k, want_top=True, vocab=None):
+    """sampling._logprob_outputs' results without materializing log_softmax(logits)."""
+    from jaxinfer.engine import sampling
+
+    x = logits.astype(jnp.float32)  # [S, V]
+    top = x.max(axis=-1)  # [S]
+    lse = top + jnp.log(jnp.sum(jnp.exp(x - top[:, None]), axis=-1))  # [S]
+    picked = jnp.take_along_axis(x, jnp.clip(ids, 0, x.shape[1] - 1)[:, None], axis=1)[:, 0]  # [S]
+    ranks = 1 + jnp.sum(x > picked[:, None], axis=-1, dtype=jnp.int32)  # [S]
+    k = min(k, x.shape[1])
+    zeros = lambda: (jnp.zeros((x.shape[0], k), jnp.float32), jnp.zeros((x.shape[0], k), jnp.int32))
+    if want_top is False:
+        top_lp, top_ids = zeros()
+    else:
+        top_lp, top_ids = jax.lax.cond(want_top, lambda: tuple(sampling._top_k(x - lse[:, None], k, vocab)), zeros)
+    return picked - lse, top_ids.astype(jnp.int32), top_lp, ranks
+
+
+@contextlib.contextmanager
+def _patched(variant: str):
+    """The variant's patch on jaxinfer.engine.sampling while its engine traces (nothing for the others)."""
+    from jaxinfer.engine import sampling
+
+    saved = sampling.jnp, sampling._logprob_outputs
+    if variant == "argmax":
+        shim = types.ModuleType("jnp_first_max_index")
+        shim.__dict__.update(jnp.__dict__)
+        shim.argmax = _first_max_index
+        sampling.jnp = shim
+    elif variant == "lean_logprobs":
+        sampling._logprob_outputs = _lean_logprob_outputs
+    try:
+        yield
+    finally:
+        sampling.jnp, sampling._logprob_outputs = saved
+
+
+def engine_mode(variants: list[str], batch: int, rounds: int) -> None:
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.bench.cpu_vs_hf import MODEL, prompts
+
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    llms, rows = {}, None
+    for v in variants:
+        with _patched(v):
+            extra = {"decode_steps_per_call": 16} if v == "steps16" else {}
+            llms[v] = LLM(MODEL, max_num_seqs=batch, use_tqdm=False, **extra)
+            rows = rows or prompts(llms[v].model_config.vocab_size, batch, 32)
+            llms[v].generate(rows, params, use_tqdm=False)  # compiles what the timed runs use
+    times, first = {v: [] for v in variants}, {}
+    for _ in range(rounds):
+        for v in variants:
+            start = time.perf_counter()
+            out = llms[v].generate(rows, params, use_tqdm=False)
+            times[v].append(time.perf_counter() - start)
+            first[v] = out[0].outputs[0].token_ids[:6]
+    for v in variants:
+        t = np.array(times[v])
+        print(f"{v:14s} best {t.min():.3f} s  median {np.median(t):.3f} s  ({batch * 64 / t.min():.0f} tok/s)  "
+              f"first row {first[v]}")
+
+
+def _all_heads_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
+                         block_pages: int = 2):
+    """Decode attention of each sequence's last token with no transposes: every q head against the rows of all kv
+    heads of a gathered block ([S, L*K, H], as stored), the other heads' rows masked; -> [T, N, H]."""
+    from pallas_kernels.ragged_paged_attention import xla
+    from pallas_kernels.ragged_paged_attention.reference import MASK_VALUE, pad_to_blocks
+
+    page_indices = pad_to_blocks(page_indices)
+    num_tokens, heads, dim = q.shape
+    seqs, page, kv_heads = kv_lens.shape[0], k_pages.shape[1], k_pages.shape[2]
+    rows_per_block = block_pages * page * kv_heads
+    live = xla._live(cu_q_lens, num_seqs)  # [S]
+    lens = jnp.where(live, kv_lens, 0)  # [S]
+    q_last = q[jnp.clip(cu_q_lens[1:] - 1, 0, num_tokens - 1)].astype(jnp.float32)  # [S, N, H]
+    own_head = (jnp.arange(heads) // (heads // kv_heads))[None, :, None]  # [1, N, 1]
+
+    def body(b, carry):
+        m, l, acc = carry  # [S, N], [S, N], [S, N, H]
+        ids = jax.lax.dynamic_slice_in_dim(page_indices, b * block_pages, block_pages, axis=1).reshape(-1)
+        k_blk = k_pages[ids].reshape(seqs, rows_per_block, dim)  # [S, J, H], j = (position, kv head)
+        v_blk = v_pages[ids].reshape(seqs, rows_per_block, dim)  # [S, J, H]
+        j = jnp.arange(rows_per_block, dtype=jnp.int32)  # [J]
+        pos = b * block_pages * page + j // kv_heads  # [J]
+        mask = (pos[None, None, :] < lens[:, None, None]) & ((j % kv_heads)[None, None, :] == own_head)  # [S, N, J]
+        logits = jnp.where(mask, jnp.einsum("snh,sjh->snj", q_last, k_blk) * sm_scale, MASK_VALUE)  # [S, N, J]
+        m_new = jnp.maximum(m, logits.max(-1))  # [S, N]
+        p = jnp.where(mask, jnp.exp(logits - m_new[..., None]), 0.0)  # [S, N, J]
+        alpha = jnp.exp(m - m_new)  # [S, N]
+        return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + jnp.einsum("snj,sjh->snh", p, v_blk)
+
+    stats = jnp.full((seqs, heads), MASK_VALUE, jnp.float32)
+    init = (stats, jnp.zeros_like(stats), jnp.zeros((seqs, heads, dim), jnp.float32))
+    blocks = (jnp.max(lens) + block_pages * page - 1) // (block_pages * page)
+    _, l, acc = jax.lax.fori_loop(0, blocks, body, init)
+    out = acc / jnp.maximum(l, 1e-30)[..., None]  # [S, N, H]
+    rows = jnp.where(live, cu_q_lens[1:] - 1, num_tokens)  # [S]
+    return jnp.zeros(q.shape, jnp.float32).at[rows].set(out, mode="drop").astype(q.dtype)
+
+
+def attention_mode(batch: int, ctx: int, rounds: int) -> None:
+    """SmolLM2's decode attention (9 q heads, 3 kv heads, head dim 64, 16-token pages) over 30 layers in one jit."""
+    from pallas_kernels.ragged_paged_attention import xla
+
+    heads, kv_heads, dim, page = 9, 3, 64, 16
+    rng = np.random.default_rng(0)
+    per_seq = -(-ctx // page)
+    num_pages = batch * per_seq + 8
+    k_pages, v_pages = (jnp.asarray(rng.standard_normal((num_pages, page, kv_heads, dim), np.float32))
+                        for _ in range(2))
+    q = jnp.asarray(rng.standard_normal((batch, heads, dim), np.float32))
+    table = np.zeros((batch, 2048 // page), np.int32)
+    table[:, :per_seq] = rng.permutation(np.arange(1, num_pages))[: batch * per_seq].reshape(batch, per_seq)
+    meta = (jnp.asarray(rng.integers(ctx // 2, ctx + 1, batch), jnp.int32), jnp.asarray(table),
+            jnp.arange(batch + 1, dtype=jnp.int32), jnp.array([batch], jnp.int32))
+
+    def thirty_layers(fn, q):
+        body = lambda _, acc: acc + fn(q + acc * 1e-3, k_pages, v_pages, *meta, sm_scale=dim ** -0.5)
+        return jax.lax.fori_loop(0, 30, body, jnp.zeros_like(q))
+
+    fns = {"tree": xla.ragged_paged_attention, "all_heads": _all_heads_attention}
+    compiled = {name: jax.jit(functools.partial(thirty_layers, fn)) for name, fn in fns.items()}
+    outs = {name: f(q).block_until_ready() for name, f in compiled.items()}
+    times = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, f in compiled.items():
+            start = time.perf_counter()
+            f(q).block_until_ready()
+            times[name].append(time.perf_counter() - start)
+    for name in fns:
+        t = np.array(times[name]) * 1e3
+        err = float(jnp.max(jnp.abs(outs[name] - outs["tree"])))
+        print(f"{name:10s} best {t.min():.2f} ms  median {np.median(t):.2f} ms per 30 layers  max |diff| {err:.1e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("mode", choices=["engine", "attention"])
+    ap.add_argument("variants", nargs="*", default=["tree", "argmax"],
+                    help="engine mode: tree, argmax, lean_logprobs, steps16")
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--ctx", type=int, default=64, help="attention mode: longest context")
+    args = ap.parse_args()
+    if args.mode == "engine":
+        engine_mode(args.variants, args.batch, args.rounds)
+    else:
+        attention_mode(args.batch, args.ctx, args.rounds * 3)
+
+
+if __name__ == "__main__":
+    main()
