@@ -10,6 +10,8 @@ batch in turn, `--rounds` times; best and median per variant.
     PYTHONPATH=$PWD python scripts/cpu_decode_variants.py engine tree lean_logprobs
     PYTHONPATH=$PWD python scripts/cpu_decode_variants.py engine tree steps16
     PYTHONPATH=$PWD python scripts/cpu_decode_variants.py attention      # 30 layers of decode attention alone
+    XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true PYTHONPATH=$PWD python scripts/cpu_decode_variants.py profile tree
+                                       # XLA:CPU thunk time by fusion kind and thread, one traced 64-token batch
 
 Variants (engine mode):
     tree           the code as it is
@@ -101,6 +103,42 @@ def engine_mode(variants: list[str], batch: int, rounds: int) -> None:
               f"first row {first[v]}")
 
 
+def profile_mode(variant: str, batch: int) -> None:
+    """Where XLA:CPU's threads spend one 64-token batch: a profiler trace of one `generate` (with XLA_FLAGS
+    --xla_cpu_enable_xprof_traceme=true, XLA:CPU names its thunks in it), thunk time summed by fusion kind per thread."""
+    import collections
+    import glob
+    import gzip
+    import json
+    import tempfile
+
+    from jaxinfer import LLM, SamplingParams
+    from jaxinfer.bench.cpu_vs_hf import MODEL, prompts
+
+    with _patched(variant):
+        llm = LLM(MODEL, max_num_seqs=batch, use_tqdm=False)
+    rows = prompts(llm.model_config.vocab_size, batch, 32)
+    params = SamplingParams(max_tokens=64, temperature=0.0, ignore_eos=True)
+    llm.generate(rows, params, use_tqdm=False)
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            llm.generate(rows, params, use_tqdm=False)
+        events = json.load(gzip.open(glob.glob(f"{d}/**/*.trace.json.gz", recursive=True)[0]))["traceEvents"]
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    by_thread = collections.defaultdict(collections.Counter)
+    for e in events:
+        name = e.get("name", "")
+        if e.get("ph") == "X" and not name.startswith("$") and "Execute" not in name and "Await" not in name:
+            by_thread[threads.get((e["pid"], e["tid"]), e["tid"])][name.split(".")[0]] += e.get("dur", 0)
+    for thread, kinds in by_thread.items():
+        if "XLAEigen" not in str(thread):
+            continue
+        print(f"{thread}: {sum(kinds.values()) / 1e3:.0f} ms of thunks")
+        for kind, us in kinds.most_common(8):
+            print(f"  {us / 1e3:8.1f} ms  {kind}")
+
+
 def _all_heads_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
                          block_pages: int = 2):
     """Decode attention of each sequence's last token with no transposes: every q head against the rows of all kv
@@ -177,7 +215,7 @@ def attention_mode(batch: int, ctx: int, rounds: int) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["engine", "attention"])
+    ap.add_argument("mode", choices=["engine", "attention", "profile"])
     ap.add_argument("variants", nargs="*", default=["tree", "argmax"],
                     help="engine mode: tree, argmax, lean_logprobs, steps16")
     ap.add_argument("--batch", type=int, default=32)
@@ -186,6 +224,8 @@ def main() -> None:
     args = ap.parse_args()
     if args.mode == "engine":
         engine_mode(args.variants, args.batch, args.rounds)
+    elif args.mode == "profile":
+        profile_mode(args.variants[0], args.batch)
     else:
         attention_mode(args.batch, args.ctx, args.rounds * 3)
 
