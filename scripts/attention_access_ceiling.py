@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention import gpu as rpa_gpu
+from pallas_kernels.ragged_paged_attention import gpu_common as rpa_common
 from scripts.bench_kernels import LLAMA_HEADS, make_decode_batch, time_fn
 
 BLOCK_KV = 64  # the decode kernel's positions per step at 16-token pages
@@ -66,7 +67,7 @@ def _boxes_copy(k_pages, v_pages, table, *, stages: int):
 
     def body(table_ref, k_ref, v_ref, o_ref, k_smem, v_smem, k_bar, v_bar):
         seq, head = jax.lax.axis_index("seq"), jax.lax.axis_index("head")
-        pages_of = lambda step: rpa_gpu._block_pages(table_ref, seq, step, pages_per_block, max_pages)
+        pages_of = lambda step: rpa_common._block_pages(table_ref, seq, step, pages_per_block, max_pages)
 
         def issue(step):
             rpa_gpu._issue_kv_block(k_ref, v_ref, k_smem, v_smem, k_bar, v_bar, jax.lax.rem(step, stages), head,
@@ -74,7 +75,7 @@ def _boxes_copy(k_pages, v_pages, table, *, stages: int):
 
         _stream(issue, steps, stages, k_bar, v_bar, k_smem.at[0], o_ref.at[seq, head])
 
-    kvt = rpa_gpu._smem_transforms(k_pages.dtype, head_dim)
+    kvt = rpa_common._smem_transforms(k_pages.dtype, head_dim)
     return plgpu.kernel(
         body, out_type=jax.ShapeDtypeStruct((num_seqs, kv_heads, BLOCK_KV, head_dim), k_pages.dtype),
         scratch_types=[plgpu.SMEM((stages, BLOCK_KV, head_dim), k_pages.dtype, transforms=kvt),

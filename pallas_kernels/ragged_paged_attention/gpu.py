@@ -1,21 +1,14 @@
 """Ragged paged attention for Hopper as a Pallas Mosaic GPU kernel (plgpu, wgmma + TMA).
 
+This module holds the entry point (`ragged_paged_attention`, `supported_config`) and the one-warpgroup kernel. Long
+prefill batches run gpu_prefill.py's kernel; the pieces both kernels share (the 64-row work tiles, their table and
+q gather, the kv block geometry, the swizzle, P @ V) are gpu_common.py's, whose docstring describes the work tiles.
+That module is separate so that this one and gpu_prefill.py both import it at the top, with no import cycle.
+
 Work decomposition (docs/KERNELS.md has the reasoning and the measured numbers):
 
-* A *work tile* is 64 query rows of one sequence and one kv head: `Bt = 64 // G` consecutive new
-  tokens of the sequence times the G query heads that share the kv head. Row r < G * Bt of the tile
-  is (head g = r // Bt, token t = r % Bt), and the tile is exactly one wgmma M=64 block. When G does
-  not divide 64 (G = 3, 5, 6, 7, 9..15), the last `64 - G * Bt` rows (at most 12) hold no query:
-  they are zeros in the gathered q, masked in the kernel and dropped by the gather back. Any G from 1
-  to 64 works this way. A decode step (`one_token_per_seq`, the caller's promise) takes one-token tiles
-  instead (`tile_layout`): the q and output arrays keep only the G head rows of each tile, rounded up to 8.
-* The wrapper lists the tiles of all sequences (ragged, computed on device from cu_q_lens) into a
-  static-size table and gathers q into that tile-major order (`[W, K, 64, H]`), so each CTA loads
-  its q tile with one TMA copy at a row offset that is a multiple of 64. Why not copy straight out
-  of `[T, N, H]`: Mosaic GPU tiles the GMEM rows of a swizzled copy by 8, and a copy starting at a
-  token that is not a multiple of 8 splits into (tile, row-in-tile) coordinates whose row-in-tile
-  box runs out of bounds, so the TMA zero-fills those rows instead of reading the next tile (this
-  was the G = 1 / G = 8 / soft-cap bug).
+* A decode step (`one_token_per_seq`, the caller's promise) takes one-token tiles instead of gpu_common's 64-row
+  work tiles (`tile_layout`): the q and output arrays keep only the G head rows of each tile, rounded up to 8.
 * grid = (tiles, kv splits, kv heads). Each CTA owns its output tile exclusively (tile-major
   output `[splits, K, W, 64, H]`), so nothing is written twice; the wrapper gathers the rows back
   to `[T, N, H]` and, with splits > 1, merges the splits by their log-sum-exp (flash-decoding).
@@ -30,16 +23,8 @@ Work decomposition (docs/KERNELS.md has the reasoning and the measured numbers):
   every step's critical path.
 * One warpgroup per CTA: QK^T and PV are wgmma, the online softmax runs in registers in the WGMMA
   layout, exponentials in base 2 with log2(e) folded into the scale.
-* Long prefill batches (`takes_prefill_kernel`) take `_prefill_kernel` instead: a CTA holds two
-  consecutive 64-row tiles of one sequence, one per compute warpgroup, over shared 128-position kv
-  blocks that a third warpgroup copies in; the two compute warpgroups alternate on the tensor cores
-  (its docstring and docs/KERNELS.md have the details).
-* Head dims that are not a multiple of 64 (80, 96) keep their true width everywhere: the shared
-  memory tiles use the widest swizzle that divides a row (`H * 2` bytes: 128 B for 64/128/192/256,
-  64 B for 96, 32 B for 80), which wgmma and the TMA both accept. Nothing is padded, so the TMA boxes
-  read exactly the head's `[R, H]` bytes of each page. (Padding the head to 128 would need the
-  cache itself padded, a copy of the whole cache per call, or boxes that read the neighbouring
-  head's columns.)
+* Long prefill batches (`takes_prefill_kernel`) take gpu_prefill.py's `_prefill_kernel` instead (its module
+  docstring and docs/KERNELS.md have the details).
 
 * A quantized cache (int8 / e4m3 `QuantizedPages`: codes [P, R, K, H] and a scale per token and head,
   [P, K, R]) is streamed as it is stored: each page's codes and its R scales arrive by TMA, so a kv block
@@ -58,15 +43,18 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.ragged_paged_attention import decode_merge
+from pallas_kernels.ragged_paged_attention.gpu_common import (_LOG2E, _MASK_VALUE, _NUM_SMS, _ROWS, _block_pages,
+                                                              _pv_accumulate, _smem_transforms, _tile_geometry,
+                                                              tile_queries, tile_rows, tile_table)
+from pallas_kernels.ragged_paged_attention.gpu_prefill import (_PREFILL_MAX_HEAD_DIM, _prefill_attention,
+                                                               takes_prefill_kernel)
 from pallas_kernels.ragged_paged_attention.reference import QuantizedPages
 
-_ROWS = 64  # wgmma M: query rows per tile
 _MAX_GROUP = _ROWS  # a tile holds at least one token of every query head of its kv head
 # Head dims the kernel takes, each in the GPU test sweep (docs/KERNELS.md). Other multiples of 16 up
 # to 256 would lower the same way (swizzle from the row width) but stay out until tested there.
@@ -81,44 +69,6 @@ _SMEM_BUDGET = 220 * 1024  # of the 227 KB a Hopper block may use, leaving room 
 # (93% of the copy rate against 77%), 192 x 1.5k 340 against 401 us, 4k prefill 514 against 694 us; an int8 /
 # fp8 cache (32-token pages, two bf16 staging tiles more) 362 / 340 us against 369 / 357.
 _STAGES = 2
-_NUM_SMS = 132  # H100 / H200 SXM
-_LOG2E = math.log2(math.e)
-_MASK_VALUE = -1e30
-# The prefill kernel (`_prefill_kernel`): two compute warpgroups per CTA, each with its own 64-row q tile, over
-# shared kv blocks of 128 positions, two stages deep (q 32 KB + K/V 128 KB of shared memory at H = 128).
-_COMPUTE_WGS = 2
-_PREFILL_BLOCK_KV = 128
-_PREFILL_STAGES = 2
-_PREFILL_MAX_HEAD_DIM = 128  # acc [64, H] and logits [64, 128] f32 in one warpgroup's registers
-
-
-def tile_table(cu_q_lens: jax.Array, num_seqs: jax.Array, tokens_per_tile: int,
-               max_tiles: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """The ragged list of (sequence, first token) work tiles, padded to max_tiles.
-
-    Returns tile_seq [W], tile_tok0 [W], tile_base [S] (index of each sequence's first tile).
-    Tiles past the real ones point at sequence 0 with tile_tok0 = -1 and are skipped.
-    """
-    num_slots = cu_q_lens.shape[0] - 1
-    q_lens = jnp.where(jnp.arange(num_slots) < num_seqs[0], cu_q_lens[1:] - cu_q_lens[:-1], 0)
-    tiles = (q_lens + tokens_per_tile - 1) // tokens_per_tile  # [S]
-    ends = jnp.cumsum(tiles)  # [S]
-    w = jnp.arange(max_tiles, dtype=jnp.int32)
-    # "compare_all": the default "scan" search is a while loop, and XLA's GPU runtime reads a while loop's
-    # predicate back to the host every iteration, so the host could not queue a step's kernels ahead of the
-    # device (this and _gather_rows' search were the only loops of a decode forward; docs/PERFORMANCE.md,
-    # twelfth session). Comparing every tile with every sequence end is one small fused kernel.
-    seq = jnp.minimum(jnp.searchsorted(ends, w, side="right", method="compare_all"), num_slots - 1)  # [W]
-    base = ends - tiles  # [S]
-    tok0 = cu_q_lens[seq] + (w - base[seq]) * tokens_per_tile
-    tok0 = jnp.where(w < ends[-1], tok0, -1)
-    return seq.astype(jnp.int32), tok0.astype(jnp.int32), base.astype(jnp.int32)
-
-
-def tile_rows(group: int) -> tuple[int, int]:
-    """(tokens per tile Bt = 64 // G, rows that hold a query G * Bt); rows past G * Bt are padding."""
-    tokens = _ROWS // group
-    return tokens, tokens * group
 
 
 @dataclasses.dataclass(frozen=True)
@@ -148,29 +98,6 @@ def _split_range(kb_lo, kb_hi, split, num_splits):
     per = (kb_hi - kb_lo + num_splits - 1) // num_splits
     lo = kb_lo + split * per
     return lo, jnp.maximum(jnp.minimum(lo + per, kb_hi), lo)
-
-
-def _tile_geometry(seq_ref, tok0_ref, kv_lens_ref, cu_ref, w, tokens_per_tile, block_kv,
-                   sliding_window):
-    """Scalars of one work tile: first token, end of the sequence's tokens, position offset, kv blocks."""
-    seq, tok0 = seq_ref[w], tok0_ref[w]
-    q_end, kv_len = cu_ref[seq + 1], kv_lens_ref[seq]
-    offset = kv_len - q_end  # position = token + offset
-    last_tok = jnp.minimum(tok0 + tokens_per_tile, q_end) - 1
-    first_pos = tok0 + offset
-    kb_lo = (0 if sliding_window is None
-             else jnp.maximum(first_pos - sliding_window + 1, 0) // block_kv)
-    kb_hi = jnp.where(tok0 >= 0, (last_tok + offset + block_kv) // block_kv, 0)
-    return seq, tok0, q_end, offset, kb_lo, jnp.maximum(kb_hi, kb_lo)
-
-
-def _block_pages(page_table_ref, seq, kv_block, pages_per_block, max_pages):
-    """Page ids of one kv block of one sequence (columns past the table clamp to its last entry)."""
-    pages = []
-    for p in range(pages_per_block):
-        col = jnp.minimum(kv_block * pages_per_block + p, max_pages - 1)
-        pages.append(page_table_ref[seq * max_pages + col])
-    return tuple(pages)
 
 
 def _issue_kv_block(k_ref, v_ref, k_smem, v_smem, k_barriers, v_barriers, slot, head, pages, scales=None):
@@ -319,214 +246,6 @@ def _attention_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  #
     plgpu.wait_smem_to_gmem(0)
 
 
-def _issue_pages(ref, smem, barrier, head, pages):
-    """One TMA copy per page of a kv block ([R, H] boxes of one kv head) into `smem` [Bk, H], all on `barrier`."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    page_size = ref.shape[1]
-    for p, page in enumerate(pages):
-        plgpu.copy_gmem_to_smem(ref.at[page, :, head], smem.at[pl.ds(p * page_size, page_size)], barrier)
-
-
-def _prefill_kernel(kv_lens_ref, page_table_ref, cu_ref, seq_ref, tok0_ref,  # int32 metadata, per pair tile
-                    q_ref,  # [2W, K, 64, H] gmem: the two 64-row q tiles of pair tile w are 2w and 2w + 1
-                    k_ref, v_ref,  # [P, R, K, H] gmem
-                    o_ref,  # [K, 2W, 64, H] gmem, the same tile order
-                    q_smem,  # [2, 64, H]: each compute warpgroup's q tile, then its output tile
-                    k_smem, v_smem,  # [stages, Bk, H]
-                    q_barriers, k_barriers, v_barriers, k_free, v_free, schedule,
-                    *, sm_scale, sliding_window, soft_cap, group, max_pages, interpret):
-    """Warp-specialized prefill attention: CTA (pair tile w, kv head) holds 2 x Bt tokens of one sequence as
-    two 64-row q tiles, one per compute warpgroup, over the same kv blocks. Warpgroup 2 only issues the kv
-    copies (a slot is refilled once both compute warpgroups have released it: `k_free` / `v_free`), so each
-    block is read once for 128 query rows instead of 64, and the copies never wait behind the math. The two
-    compute warpgroups take turns on the tensor cores (`schedule`): one's softmax runs while the other's
-    QK^T and PV wgmmas do. Blocks that every row of a warpgroup sees whole (below its first position, no
-    window) skip the mask."""
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    tokens_per_tile, used_rows = tile_rows(group)
-    stages, block_kv, head_dim = k_smem.shape
-    pages_per_block = block_kv // k_ref.shape[1]
-    w, head, wg = (jax.lax.axis_index(a) for a in ("tile", "head", "wg"))
-    seq, tok0, q_end, offset, kb_lo, kb_hi = _tile_geometry(
-        seq_ref, tok0_ref, kv_lens_ref, cu_ref, w, _COMPUTE_WGS * tokens_per_tile, block_kv, sliding_window)
-    steps = kb_hi - kb_lo
-    pages_of = lambda step: _block_pages(page_table_ref, seq, kb_lo + step, pages_per_block, max_pages)
-
-    def rendezvous():  # both compute warpgroups arrive; each goes on once the other has arrived too
-        plgpu.barrier_arrive(schedule)
-        plgpu.barrier_wait(schedule)
-
-    @pl.when(wg == _COMPUTE_WGS)
-    def _memory_warpgroup():
-        if not interpret:
-            plgpu.set_max_registers(40, action="decrease")
-        for s in range(stages):
-            @pl.when(s < steps)
-            def _(s=s):
-                pages = pages_of(s)
-                _issue_pages(k_ref, k_smem.at[s], k_barriers.at[s], head, pages)
-                _issue_pages(v_ref, v_smem.at[s], v_barriers.at[s], head, pages)
-
-        def refill(step, carry):
-            slot = jax.lax.rem(step, stages)
-            pages = pages_of(step)
-            plgpu.barrier_wait(k_free.at[slot])
-            _issue_pages(k_ref, k_smem.at[slot], k_barriers.at[slot], head, pages)
-            plgpu.barrier_wait(v_free.at[slot])
-            _issue_pages(v_ref, v_smem.at[slot], v_barriers.at[slot], head, pages)
-            return carry
-
-        jax.lax.fori_loop(stages, jnp.maximum(steps, stages), refill, 0)
-
-        def drain(step, carry):  # the last releases: each barrier phase is observed (the interpreter checks)
-            plgpu.barrier_wait(k_free.at[jax.lax.rem(step, stages)])
-            plgpu.barrier_wait(v_free.at[jax.lax.rem(step, stages)])
-            return carry
-
-        jax.lax.fori_loop(jnp.maximum(steps - stages, 0), steps, drain, 0)
-
-    @pl.when(wg < _COMPUTE_WGS)
-    def _compute_warpgroup():
-        if not interpret:
-            plgpu.set_max_registers(232, action="increase")
-        q_tile = q_smem.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[_COMPUTE_WGS * w + wg, head], q_tile, q_barriers.at[wg])  # [64, H]
-        first_tok = tok0 + wg * tokens_per_tile  # this warpgroup's rows: tokens first_tok .. + Bt - 1
-        # Blocks [kb_lo, full_hi) lie wholly at or below this warpgroup's first position: no row masks any of it
-        # (rows past the sequence or past G * Bt compute on real keys and are never gathered back).
-        full_hi = kb_lo if sliding_window is not None else jnp.clip(
-            (first_tok + offset + 1) // block_kv, kb_lo, kb_hi)
-        plgpu.barrier_wait(q_barriers.at[wg])
-
-        def kv_step(step, carry, masked):
-            acc, m_i, l_i = carry
-            slot = jax.lax.rem(step, stages)
-
-            def qk_scope(acc_ref):
-                plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].transpose((1, 0)))
-                rendezvous()  # the other warpgroup's softmax ran while this wgmma was issued
-                return acc_ref[...]
-
-            logits = pl.run_scoped(qk_scope, plgpu.ACC((_ROWS, block_kv), jnp.float32))  # [64, Bk]
-            plgpu.barrier_arrive(k_free.at[slot])
-            if soft_cap is None and not masked:
-                # The scale rides on the exponent's argument: one fused multiply-add per logit.
-                m_new = jnp.maximum(m_i, logits.max(axis=1) * log2_scale)
-                p = jnp.exp2(logits * log2_scale - jax.lax.broadcast_in_dim(m_new, logits.shape, [0]))
-                return finish_step(acc, m_i, l_i, m_new, p, step, slot)
-            if soft_cap is not None:
-                logits = soft_cap * jnp.tanh(logits * (sm_scale / soft_cap)) * _LOG2E
-            else:
-                logits = logits * log2_scale
-            mask = None
-            if masked:
-                row = plgpu.broadcasted_iota(jnp.int32, logits.shape, 0, layout=plgpu.Layout.WGMMA)
-                col = plgpu.broadcasted_iota(jnp.int32, logits.shape, 1, layout=plgpu.Layout.WGMMA)
-                token = first_tok + jax.lax.rem(row, tokens_per_tile)
-                pos = token + offset
-                kv_pos = (kb_lo + step) * block_kv + col
-                mask = (token < q_end) & (kv_pos <= pos)
-                if used_rows < _ROWS:
-                    mask = mask & (row < used_rows)
-                if sliding_window is not None:
-                    mask = mask & (kv_pos > pos - sliding_window)
-                logits = jnp.where(mask, logits, _MASK_VALUE)
-            m_new = jnp.maximum(m_i, logits.max(axis=1))
-            p = jnp.exp2(logits - jax.lax.broadcast_in_dim(m_new, logits.shape, [0]))
-            if masked:
-                p = jnp.where(mask, p, 0.0)
-            return finish_step(acc, m_i, l_i, m_new, p, step, slot)
-
-        def finish_step(acc, m_i, l_i, m_new, p, step, slot):
-            """The online softmax's rescale, then P @ V on this warpgroup's turn; the next K block's barrier is
-            waited for while that wgmma runs."""
-            alpha = jnp.exp2(m_i - m_new)
-            l_i = l_i * alpha + p.sum(axis=1)
-            acc = acc * jax.lax.broadcast_in_dim(alpha, acc.shape, [0])
-            p16 = p.astype(v_smem.dtype)
-            # Everything of the softmax done before this warpgroup hands the tensor cores back.
-            acc, l_i, m_new, p16 = jax.lax.optimization_barrier((acc, l_i, m_new, p16))
-            plgpu.barrier_arrive(schedule)
-            plgpu.barrier_wait(v_barriers.at[slot])
-            plgpu.barrier_wait(schedule)
-
-            def wait_next_k():
-                pl.when(step + 1 < steps)(
-                    lambda: plgpu.barrier_wait(k_barriers.at[jax.lax.rem(step + 1, stages)]))
-
-            acc = _pv_accumulate(acc, p16, v_smem.at[slot], v_smem.dtype, interpret, while_running=wait_next_k)
-            plgpu.barrier_arrive(v_free.at[slot])
-            return acc, m_new, l_i
-
-        acc = plgpu.layout_cast(jnp.zeros((_ROWS, head_dim), jnp.float32), plgpu.Layout.WGMMA)
-        m_i = plgpu.layout_cast(jnp.full((_ROWS,), _MASK_VALUE, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l_i = plgpu.layout_cast(jnp.zeros((_ROWS,), jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        log2_scale = sm_scale * _LOG2E
-        pl.when(steps > 0)(lambda: plgpu.barrier_wait(k_barriers.at[0]))  # later K blocks: see finish_step
-        pl.when(wg == 1)(rendezvous)  # offset the two warpgroups by one turn
-        carry = jax.lax.fori_loop(0, full_hi - kb_lo, functools.partial(kv_step, masked=False), (acc, m_i, l_i))
-        acc, m_i, l_i = jax.lax.fori_loop(full_hi - kb_lo, steps, functools.partial(kv_step, masked=True), carry)
-        pl.when(wg == 0)(rendezvous)  # and even the count of turns up again
-
-        l_safe = jnp.maximum(l_i, 1e-30)
-        q_tile[...] = (acc / jax.lax.broadcast_in_dim(l_safe, acc.shape, [0])).astype(q_tile.dtype)
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_tile, o_ref.at[head, _COMPUTE_WGS * w + wg])
-        plgpu.wait_smem_to_gmem(0)
-
-
-def _pv_accumulate(acc, p, v_block, dtype, interpret: bool, while_running=None):
-    """acc [64, H] f32 += p [64, Bk] (f32, cast to the KV dtype) @ v_block [Bk, H], in place; `while_running()`,
-    when given, is called after the wgmma is issued and before it is waited for.
-
-    On the GPU a wgmma with P from registers, exactly as before any-G/H support (the cast inside the
-    scope keeps the lowered kernel byte-identical). Pallas' GPU interpreter (0.11.2) runs a wgmma
-    only with A in shared memory and has no rule for the discharged `pl.run_state`, so interpret
-    mode reads the V block and multiplies with a plain dot: same math, used only on CPU.
-    """
-    import jax.experimental.pallas as pl
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    if interpret:
-        acc = acc + jax.lax.dot(p.astype(dtype), v_block[...], preferred_element_type=jnp.float32)
-        if while_running is not None:
-            while_running()
-        return acc
-
-    def pv_scope(acc_ref):
-        plgpu.wgmma(acc_ref, p.astype(dtype), v_block)
-        if while_running is not None:
-            while_running()
-
-    return pl.run_state(pv_scope)(plgpu.ACC.init(acc))
-
-
-def swizzle_bytes(head_dim: int, itemsize: int = 2) -> int:
-    """The widest shared-memory swizzle (128, 64 or 32 bytes) that divides one row of the tiles.
-
-    wgmma needs the same swizzle on q and k, and its K step is one swizzle width (64 elements at
-    128 B, 32 at 64 B, 16 at 32 B for 16-bit types), so it must divide H; the TMA box's inner
-    extent is one swizzle width too. H = 80 (160-byte rows) gets 32 B, H = 96 gets 64 B.
-    """
-    row = head_dim * itemsize
-    for swizzle in (128, 64, 32):
-        if row % swizzle == 0:
-            return swizzle
-    raise NotImplementedError(f"head dim {head_dim} has no 32-byte multiple per row")
-
-
-def _smem_transforms(dtype, minor: int):
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    itemsize = jnp.dtype(dtype).itemsize
-    swizzle = swizzle_bytes(minor, itemsize)
-    return (plgpu.TilingTransform((8, swizzle // itemsize)), plgpu.SwizzleTransform(swizzle))
-
-
 def smem_bytes(head_dim: int, block_kv: int, stages: int, itemsize: int = 2, kv_itemsize: int | None = None) -> int:
     """Shared memory of one CTA: the q/output tile, `stages` K and V blocks, the LSE row; with an 8-bit cache
     (kv_itemsize 1) also the two bf16 staging tiles and `stages` rows of K and V scales."""
@@ -595,21 +314,6 @@ def _combine_splits(o_parts, lse_parts):
     return acc / total[..., None]
 
 
-def tile_queries(q, tile_tok0, group: int, kv_heads: int):
-    """q [T, N, H] -> tile-major [W, K, 64, H]: row g * Bt + t of tile w, kv head k holds token
-    tile_tok0[w] + t of q head k * G + g. Rows past T (and padding tiles) repeat a real token; the
-    kernel masks them. When G does not divide 64, rows G * Bt .. 63 are zeros (masked too)."""
-    num_tokens, _, head_dim = q.shape
-    tokens_per_tile, used_rows = tile_rows(group)
-    tok = jnp.clip(tile_tok0[:, None] + jnp.arange(tokens_per_tile, dtype=jnp.int32), 0,
-                   num_tokens - 1)  # [W, Bt]
-    tiles = q[tok].reshape(-1, tokens_per_tile, kv_heads, group, head_dim)  # [W, Bt, K, G, H]
-    tiles = tiles.transpose(0, 2, 3, 1, 4).reshape(-1, kv_heads, used_rows, head_dim)  # [W, K, G*Bt, H]
-    if used_rows < _ROWS:
-        tiles = jnp.pad(tiles, ((0, 0), (0, 0), (0, _ROWS - used_rows), (0, 0)))  # [W, K, 64, H]
-    return tiles
-
-
 def decode_queries(q, kv_heads: int, rows: int):
     """q [T, N, H] -> [T, K, rows, H] for one-token tiles (tile_layout of a decode step): tile w holds
     token w (tile_table lists one tile per token, in token order), its rows the G q heads of each kv head,
@@ -648,65 +352,6 @@ def _gather_rows(o_tiles, cu_q_lens, num_seqs, tile_base, num_tokens, group):
     rows = by_head[:, tile, :, r, :]  # [T, K, G, H]
     rows = jnp.where((t < real_end)[:, None, None, None], rows, 0)
     return rows.reshape(num_tokens, kv_heads * group, head_dim)  # [T, N, H]
-
-
-def takes_prefill_kernel(num_tokens: int, num_slots: int, num_heads: int, kv_heads: int, head_dim: int,
-                         quantized: bool) -> bool:
-    """Whether a call runs `_prefill_kernel` by default: a 16-bit cache, H <= 128, a batch that is mostly
-    prefill (T >= 4 S: many 64-row tiles of short kv walks) and whose 128-row pair tiles alone cover every SM
-    twice (so it needs no flash-decoding splits). Decode-like batches keep the one-warpgroup kernel and its
-    splits."""
-    if quantized or head_dim > _PREFILL_MAX_HEAD_DIM or num_tokens < 4 * num_slots:
-        return False
-    tokens_per_tile, _ = tile_rows(num_heads // kv_heads)
-    return (num_tokens // (_COMPUTE_WGS * tokens_per_tile)) * kv_heads >= 2 * _NUM_SMS
-
-
-def _prefill_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, num_seqs, *, sm_scale,
-                       sliding_window, soft_cap, interpret):
-    """`_prefill_kernel` over the call's pair tiles: [K, 2W, 64, H] output tiles and the sequences' first 64-row
-    tiles."""
-    import jax.experimental.pallas.mosaic_gpu as plgpu
-
-    num_tokens, num_heads, head_dim = q.shape
-    _, page_size, kv_heads, _ = k_pages.shape
-    num_slots, max_pages = page_indices.shape
-    group = num_heads // kv_heads
-    tokens_per_tile, _ = tile_rows(group)
-    pair_tokens = _COMPUTE_WGS * tokens_per_tile
-    max_pairs = num_tokens // pair_tokens + num_slots
-    pair_seq, pair_tok0, pair_base = tile_table(cu_q_lens, num_seqs, pair_tokens, max_pairs)
-    # The two 64-row tiles of pair w are tiles 2w and 2w + 1 of Bt tokens each (padding pairs: -1 twice).
-    second = jnp.where(pair_tok0 >= 0, pair_tok0 + tokens_per_tile, -1)
-    tile_tok0 = jnp.stack([pair_tok0, second], axis=1).reshape(-1)  # [2W]
-    q_tiles = tile_queries(q, tile_tok0, group, kv_heads)  # [2W, K, 64, H]
-    block_kv = max(_PREFILL_BLOCK_KV, page_size)
-    stages = _PREFILL_STAGES
-    qt, kvt = _smem_transforms(q.dtype, head_dim), _smem_transforms(k_pages.dtype, head_dim)
-    copies = block_kv // page_size
-    scratch = [
-        plgpu.SMEM((_COMPUTE_WGS, _ROWS, head_dim), q.dtype, transforms=qt),
-        plgpu.SMEM((stages, block_kv, head_dim), k_pages.dtype, transforms=kvt),
-        plgpu.SMEM((stages, block_kv, head_dim), v_pages.dtype, transforms=kvt),
-        plgpu.Barrier(num_arrivals=1, num_barriers=_COMPUTE_WGS),  # q tiles
-        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),  # K blocks landed
-        plgpu.Barrier(num_arrivals=copies, num_barriers=stages),  # V blocks landed
-        plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),  # K slots released
-        plgpu.Barrier(num_arrivals=_COMPUTE_WGS, num_barriers=stages),  # V slots released
-        plgpu.Barrier(num_arrivals=_COMPUTE_WGS),  # turns on the tensor cores
-    ]
-    kernel = functools.partial(_prefill_kernel, sm_scale=sm_scale, sliding_window=sliding_window,
-                               soft_cap=soft_cap, group=group, max_pages=max_pages, interpret=interpret)
-    o_tiles = plgpu.kernel(
-        kernel, out_type=jax.ShapeDtypeStruct((kv_heads, _COMPUTE_WGS * max_pairs, _ROWS, head_dim), q.dtype),
-        scratch_types=scratch, grid=(max_pairs, kv_heads), grid_names=("tile", "head"),
-        kernel_name="ragged_paged_attention_prefill",
-        num_threads=_COMPUTE_WGS + 1, thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True, lowering_semantics=plgpu.LoweringSemantics.Lane),
-        interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(kv_lens.astype(jnp.int32), page_indices.reshape(-1).astype(jnp.int32), cu_q_lens.astype(jnp.int32),
-      pair_seq, pair_tok0, q_tiles, k_pages, v_pages)
-    return o_tiles, _COMPUTE_WGS * pair_base
 
 
 STATIC_ARGNAMES = ("sm_scale", "sliding_window", "soft_cap", "k_scale", "v_scale", "num_splits", "stages", "block_kv",

@@ -20,17 +20,17 @@ from pallas_kernels.ragged_paged_attention import ragged_paged_attention, refere
 def _tile_inputs(rng, group, head_dim, kv_heads=2, q_lens=(5, 1, 13, 9, 1, 22), pad_tokens=0,
                  pad_seqs=0):
     """q [T, N, H] and the GPU kernel's tile table for ragged q_lens (starts off the 8-row grid)."""
-    from pallas_kernels.ragged_paged_attention import gpu
+    from pallas_kernels.ragged_paged_attention import gpu_common
     num_slots = len(q_lens) + pad_seqs
     cu = np.zeros(num_slots + 1, np.int32)
     cu[1:len(q_lens) + 1] = np.cumsum(q_lens)
     cu[len(q_lens) + 1:] = cu[len(q_lens)]
     num_tokens = sum(q_lens) + pad_tokens
     q = jnp.asarray(rng.standard_normal((num_tokens, kv_heads * group, head_dim)), jnp.float32)
-    bt, _ = gpu.tile_rows(group)
+    bt, _ = gpu_common.tile_rows(group)
     max_tiles = num_tokens // bt + num_slots
     num_seqs = jnp.asarray([len(q_lens)], jnp.int32)
-    _, tok0, base = gpu.tile_table(jnp.asarray(cu), num_seqs, bt, max_tiles)
+    _, tok0, base = gpu_common.tile_table(jnp.asarray(cu), num_seqs, bt, max_tiles)
     return q, jnp.asarray(cu), num_seqs, tok0, base
 
 
@@ -48,11 +48,11 @@ def test_gpu_tile_queries_puts_every_token_at_its_tile_row(rng, group, head_dim)
     Ragged starts that are not multiples of 8 are the case a direct TMA copy out of [T, N, H] got
     wrong (zero-filled rows); the gather must place them exactly.
     """
-    from pallas_kernels.ragged_paged_attention import gpu
+    from pallas_kernels.ragged_paged_attention import gpu_common
     kv_heads = 2
     q, cu, _, tok0, _ = _tile_inputs(rng, group, head_dim, kv_heads)
-    bt, used = gpu.tile_rows(group)
-    tiles = np.asarray(gpu.tile_queries(q, tok0, group, kv_heads))  # [W, K, 64, H]
+    bt, used = gpu_common.tile_rows(group)
+    tiles = np.asarray(gpu_common.tile_queries(q, tok0, group, kv_heads))  # [W, K, 64, H]
     assert tiles.shape == (tok0.shape[0], kv_heads, 64, head_dim)
     assert not tiles[:, :, used:].any()
     q_np, tok0, cu = np.asarray(q), np.asarray(tok0), np.asarray(cu)
@@ -71,9 +71,9 @@ def test_gpu_tile_queries_puts_every_token_at_its_tile_row(rng, group, head_dim)
 @pytest.mark.parametrize("group", [1, 3, 5, 6, 12, 16])
 def test_gpu_gather_rows_inverts_tile_queries(rng, group):
     """Tile-major rows back to [T, N, H]: every real token from its own row, padding tokens zero."""
-    from pallas_kernels.ragged_paged_attention import gpu
+    from pallas_kernels.ragged_paged_attention import gpu, gpu_common
     q, cu, num_seqs, tok0, base = _tile_inputs(rng, group, 16, pad_tokens=3, pad_seqs=2)
-    tiles = gpu.tile_queries(q, tok0, group, 2).transpose(1, 0, 2, 3)  # [K, W, 64, H]
+    tiles = gpu_common.tile_queries(q, tok0, group, 2).transpose(1, 0, 2, 3)  # [K, W, 64, H]
     back = np.asarray(gpu._gather_rows(tiles, cu, num_seqs, base, q.shape[0], group))
     real = int(cu[-1])
     np.testing.assert_array_equal(back[:real], np.asarray(q)[:real])
@@ -112,10 +112,10 @@ def test_gpu_wrapper_metadata_has_no_loop(rng):
     """The GPU kernel's tile table and row gather run loop-free: XLA's GPU runtime reads a while loop's predicate
     back to the host every iteration, so one loop in a step's forward (jnp.searchsorted's default "scan") kept the
     host from launching the step's kernels ahead of the device."""
-    from pallas_kernels.ragged_paged_attention import gpu
+    from pallas_kernels.ragged_paged_attention import gpu, gpu_common
     q, cu, num_seqs, tok0, base = _tile_inputs(rng, 4, 16)
-    tiles = gpu.tile_queries(q, tok0, 4, 2).transpose(1, 0, 2, 3)  # [K, W, 64, H]
-    table = jax.make_jaxpr(lambda c, n: gpu.tile_table(c, n, 16, 12))(cu, num_seqs)
+    tiles = gpu_common.tile_queries(q, tok0, 4, 2).transpose(1, 0, 2, 3)  # [K, W, 64, H]
+    table = jax.make_jaxpr(lambda c, n: gpu_common.tile_table(c, n, 16, 12))(cu, num_seqs)
     gather = jax.make_jaxpr(lambda t, c, n, b: gpu._gather_rows(t, c, n, b, q.shape[0], 4))(tiles, cu, num_seqs, base)
     for jaxpr in (table, gather):
         assert "while" not in str(jaxpr) and "scan" not in str(jaxpr)  # a fori_loop traces to a scan
@@ -140,17 +140,17 @@ def test_gpu_combine_splits_weights_each_split_by_its_share(rng, splits):
 
 
 def test_gpu_tile_rows_fill_the_64_row_tile():
-    from pallas_kernels.ragged_paged_attention import gpu
+    from pallas_kernels.ragged_paged_attention import gpu_common
     for group in range(1, 65):
-        bt, used = gpu.tile_rows(group)
+        bt, used = gpu_common.tile_rows(group)
         assert bt >= 1 and used == bt * group and 64 - group < used <= 64
 
 
 def test_gpu_swizzle_and_shared_memory_of_every_head_dim():
     """Row widths pick the swizzle (80 -> 32 B, 96 -> 64 B); every supported page size and head dim
     fits the shared-memory budget at the pipeline depth the wrapper picks."""
-    from pallas_kernels.ragged_paged_attention import gpu
-    assert {h: gpu.swizzle_bytes(h) for h in gpu.HEAD_DIMS} == {
+    from pallas_kernels.ragged_paged_attention import gpu, gpu_common
+    assert {h: gpu_common.swizzle_bytes(h) for h in gpu.HEAD_DIMS} == {
         64: 128, 80: 32, 96: 64, 128: 128, 192: 128, 256: 128}
     for h in gpu.HEAD_DIMS:
         for r in (8, 16, 32, 64, 128):
@@ -253,7 +253,7 @@ def test_auto_on_gpu_falls_back_to_the_reference_and_warns_once_per_reason(rng, 
 # The GPU kernel's own code in Pallas' Mosaic GPU interpreter on CPU (tiny: a few seconds each). It
 # runs the real kernel body: tile table, q gather, copies into tiles of each head dim's swizzle,
 # the QK^T wgmma, masks, online softmax, splits, the gather back; only PV is a plain dot there
-# (gpu._pv_accumulate says why). Hardware-only effects (TMA box bounds, shared-memory size,
+# (gpu_common._pv_accumulate says why). Hardware-only effects (TMA box bounds, shared-memory size,
 # registers) are the GPU tests' job.
 INTERPRET_CASES = {
     "g3_h80_ragged_mixed": (Case(((5, 5), (11, 30), (1, 7), (3, 17)), num_heads=6, kv_heads=2,
@@ -306,7 +306,7 @@ def test_gpu_kernel_refuses_a_block_that_is_not_whole_pages_of_64_positions(rng)
         gpu.ragged_paged_attention(*batch.args(), **kwargs, block_kv=64, interpret=True)
 
 
-# The warp-specialized prefill kernel (gpu._prefill_kernel: two compute warpgroups and a memory warpgroup, kv
+# The warp-specialized prefill kernel (gpu_prefill._prefill_kernel: two compute warpgroups and a memory warpgroup, kv
 # blocks of 128 positions two stages deep) in the interpreter: kv walks of three or more blocks (the memory
 # warpgroup refills released slots), blocks with and without masks (with and without a soft cap), a decode row,
 # G not dividing 64, a head dim of 80, window and padding. The interpreter also checks that every barrier phase
@@ -335,8 +335,8 @@ def test_gpu_prefill_kernel_in_interpret_mode_matches_reference(rng, name):
 
 
 def test_gpu_prefill_kernel_takes_long_prefills_only():
-    from pallas_kernels.ragged_paged_attention import gpu
-    takes = gpu.takes_prefill_kernel
+    from pallas_kernels.ragged_paged_attention import gpu_prefill
+    takes = gpu_prefill.takes_prefill_kernel
     assert takes(4096, 16, 32, 8, 128, quantized=False)  # Llama-3-8B's 4k prefill: 128 pairs x 8 heads
     assert takes(4096, 256, 32, 4, 128, quantized=False)  # Qwen3-30B-A3B's, in a 256-row bucket
     assert not takes(256, 256, 32, 8, 128, quantized=False)  # a decode batch
@@ -410,7 +410,7 @@ def test_gpu_prefill_kernel_lowers_for_cuda(group, head_dim, page_size, window):
     assert "mosaic_gpu" in fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
 
 
-# Ragged starts off the 8-row grid at every GQA ratio (the bug fixed in gpu.tile_queries), groups
+# Ragged starts off the 8-row grid at every GQA ratio (the bug fixed in gpu_common.tile_queries), groups
 # above 16, and 128-token pages (kv steps of 128 positions, one page per step).
 GPU_EXTRA_CASES = {
     "ragged_starts_gqa4_h128": Case(((5, 5), (11, 30), (3, 3), (17, 40), (1, 7)), num_heads=8,
@@ -489,11 +489,11 @@ def test_gpu_prefill_kernel_matches_reference(rng, name):
 @pytest.mark.gpu
 @pytest.mark.parametrize("num_heads,kv_heads", [(32, 8), (32, 4)])
 def test_gpu_long_prefill_takes_the_prefill_kernel_and_matches(rng, num_heads, kv_heads):
-    from pallas_kernels.ragged_paged_attention import gpu
+    from pallas_kernels.ragged_paged_attention import gpu, gpu_prefill
     case = Case(((4096, 4096),), num_heads=num_heads, kv_heads=kv_heads, head_dim=128, page_size=16,
                 max_pages=256, dtype=jnp.bfloat16)
     batch, kwargs = build(rng, case)
-    assert gpu.takes_prefill_kernel(4096, 1, num_heads, kv_heads, 128, quantized=False)
+    assert gpu_prefill.takes_prefill_kernel(4096, 1, num_heads, kv_heads, 128, quantized=False)
     out = ragged_paged_attention(*batch.args(), **kwargs, impl="auto")
     one_wg = gpu.ragged_paged_attention(*batch.args(), **kwargs, warp_specialized=False)
     want = reference.ragged_paged_attention(*batch.args(), **kwargs)
