@@ -10,6 +10,8 @@ batch in turn, `--rounds` times; best and median per variant.
     PYTHONPATH=$PWD python scripts/cpu_decode_variants.py engine tree lean_logprobs
     PYTHONPATH=$PWD python scripts/cpu_decode_variants.py engine tree steps16
     PYTHONPATH=$PWD python scripts/cpu_decode_variants.py attention      # 30 layers of decode attention alone
+    PYTHONPATH=$PWD python scripts/cpu_decode_variants.py attention --own-kv   # ... each layer its own KV pool
+    PYTHONPATH=$PWD python scripts/cpu_decode_variants.py gather         # XLA's page gather against NumPy's
     XLA_FLAGS=--xla_cpu_enable_xprof_traceme=true PYTHONPATH=$PWD python scripts/cpu_decode_variants.py profile tree
                                        # XLA:CPU thunk time by fusion kind and thread, one traced 64-token batch
 
@@ -178,16 +180,19 @@ def _all_heads_attention(q, k_pages, v_pages, kv_lens, page_indices, cu_q_lens, 
     return jnp.zeros(q.shape, jnp.float32).at[rows].set(out, mode="drop").astype(q.dtype)
 
 
-def attention_mode(batch: int, ctx: int, rounds: int) -> None:
-    """SmolLM2's decode attention (9 q heads, 3 kv heads, head dim 64, 16-token pages) over 30 layers in one jit."""
+def attention_mode(batch: int, ctx: int, rounds: int, own_kv: bool, pool_pages: int) -> None:
+    """SmolLM2's decode attention (9 q heads, 3 kv heads, head dim 64, 16-token pages) over 30 layers in one jit.
+
+    By default the 30 layers share one small cache, which stays in the CPU's caches. With `own_kv` each layer reads
+    its own pool of `pool_pages` pages, as in the engine, so the KV streams from memory."""
     from pallas_kernels.ragged_paged_attention import xla
 
-    heads, kv_heads, dim, page = 9, 3, 64, 16
+    heads, kv_heads, dim, page, layers = 9, 3, 64, 16, 30
     rng = np.random.default_rng(0)
     per_seq = -(-ctx // page)
-    num_pages = batch * per_seq + 8
-    k_pages, v_pages = (jnp.asarray(rng.standard_normal((num_pages, page, kv_heads, dim), np.float32))
-                        for _ in range(2))
+    num_pages = max(pool_pages, batch * per_seq + 8) if own_kv else batch * per_seq + 8
+    pools = [tuple(jnp.asarray(rng.random((num_pages, page, kv_heads, dim), np.float32) - 0.5) for _ in range(2))
+             for _ in range(layers if own_kv else 1)]  # [(K [P, R, K, H], V)] per layer, or one shared
     q = jnp.asarray(rng.standard_normal((batch, heads, dim), np.float32))
     table = np.zeros((batch, 2048 // page), np.int32)
     table[:, :per_seq] = rng.permutation(np.arange(1, num_pages))[: batch * per_seq].reshape(batch, per_seq)
@@ -195,8 +200,14 @@ def attention_mode(batch: int, ctx: int, rounds: int) -> None:
             jnp.arange(batch + 1, dtype=jnp.int32), jnp.array([batch], jnp.int32))
 
     def thirty_layers(fn, q):
-        body = lambda _, acc: acc + fn(q + acc * 1e-3, k_pages, v_pages, *meta, sm_scale=dim ** -0.5)
-        return jax.lax.fori_loop(0, 30, body, jnp.zeros_like(q))
+        if not own_kv:
+            k_pages, v_pages = pools[0]
+            body = lambda _, acc: acc + fn(q + acc * 1e-3, k_pages, v_pages, *meta, sm_scale=dim ** -0.5)
+            return jax.lax.fori_loop(0, layers, body, jnp.zeros_like(q))
+        acc = jnp.zeros_like(q)  # unrolled: a loop over stacked pools would slice (copy) a whole pool per layer
+        for k_pages, v_pages in pools:
+            acc = acc + fn(q + acc * 1e-3, k_pages, v_pages, *meta, sm_scale=dim ** -0.5)
+        return acc
 
     fns = {"tree": xla.ragged_paged_attention, "all_heads": _all_heads_attention}
     compiled = {name: jax.jit(functools.partial(thirty_layers, fn)) for name, fn in fns.items()}
@@ -213,21 +224,52 @@ def attention_mode(batch: int, ctx: int, rounds: int) -> None:
         print(f"{name:10s} best {t.min():.2f} ms  median {np.median(t):.2f} ms per 30 layers  max |diff| {err:.1e}")
 
 
+def gather_mode(rounds: int, pool_pages: int) -> None:
+    """What the CPU attention's page gather costs: 64 random 16-token pages (SmolLM2's [16, 3, 64] float32, 12 KB
+    each; 786 KB, one K block of the batched pass at 32 sequences) out of a pool that does not fit the caches, by
+    XLA inside one jitted loop, and by NumPy's fancy indexing (a memcpy per page)."""
+    page_floats = 16 * 3 * 64
+    rng = np.random.default_rng(0)
+    pool = rng.standard_normal((pool_pages, page_floats), np.float32)  # [P, R*K*H]
+    ids = rng.permutation(pool_pages)[: 64 * 100].reshape(100, 64)  # 100 blocks of 64 distinct pages
+    block_mb = 64 * page_floats * 4 / 1e6
+    pool_dev, ids_dev = jnp.asarray(pool), jnp.asarray(ids)
+    body = lambda i, acc: acc + pool_dev[ids_dev[i]].reshape(32, 2, page_floats).sum(1)  # [32, R*K*H]
+    xla_loop = jax.jit(lambda: jax.lax.fori_loop(0, 100, body, jnp.zeros((32, page_floats), jnp.float32)))
+    xla_loop().block_until_ready()
+    best = {"xla": 1e9, "numpy": 1e9}
+    for _ in range(rounds):
+        start = time.perf_counter()
+        xla_loop().block_until_ready()
+        best["xla"] = min(best["xla"], (time.perf_counter() - start) / 100)
+        start = time.perf_counter()
+        for i in range(100):
+            pool[ids[i]].reshape(32, 2, page_floats).sum(1)
+        best["numpy"] = min(best["numpy"], (time.perf_counter() - start) / 100)
+    for name, t in best.items():
+        print(f"{name:6s} gather + pairwise sum of a {block_mb:.2f} MB block: {t * 1e6:.1f} us ({block_mb / 1e3 / t:.1f} GB/s)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("mode", choices=["engine", "attention", "profile"])
+    ap.add_argument("mode", choices=["engine", "attention", "profile", "gather"])
     ap.add_argument("variants", nargs="*", default=["tree", "argmax"],
                     help="engine mode: tree, argmax, lean_logprobs, steps16")
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--ctx", type=int, default=64, help="attention mode: longest context")
+    ap.add_argument("--own-kv", action="store_true", help="attention mode: each layer its own pool, as in the engine")
+    ap.add_argument("--pool-pages", type=int, default=2048,
+                    help="attention --own-kv: pages (12 KB) in each layer's pool; gather: 8x this, past the L3")
     args = ap.parse_args()
     if args.mode == "engine":
         engine_mode(args.variants, args.batch, args.rounds)
     elif args.mode == "profile":
         profile_mode(args.variants[0], args.batch)
+    elif args.mode == "gather":
+        gather_mode(args.rounds, 8 * args.pool_pages)
     else:
-        attention_mode(args.batch, args.ctx, args.rounds * 3)
+        attention_mode(args.batch, args.ctx, args.rounds * 3, args.own_kv, args.pool_pages)
 
 
 if __name__ == "__main__":
