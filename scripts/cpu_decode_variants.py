@@ -247,7 +247,8 @@ def gather_mode(rounds: int, pool_pages: int) -> None:
             pool[ids[i]].reshape(32, 2, page_floats).sum(1)
         best["numpy"] = min(best["numpy"], (time.perf_counter() - start) / 100)
     for name, t in best.items():
-        print(f"{name:6s} gather + pairwise sum of a {block_mb:.2f} MB block: {t * 1e6:.1f} us ({block_mb / 1e3 / t:.1f} GB/s)")
+        rate = block_mb / 1e3 / t  # GB/s
+        print(f"{name:6s} gather + pairwise sum of a {block_mb:.2f} MB block: {t * 1e6:.1f} us ({rate:.1f} GB/s)")
 
 
 def main() -> None:
