@@ -391,6 +391,11 @@ class LLM:
     def has_unfinished(self) -> bool:
         return self.engine.has_unfinished()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prompt page (as vLLM's method does): later requests recompute their prompts,
+        running ones keep their pages. False when the engine was built without prefix caching."""
+        return self.engine.reset_prefix_cache()
+
     def wait_for_background_compile(self, timeout: float | None = None) -> bool:
         """Block until the programs warmup compiles after the first token are ready (on a GPU, the decode
         loop's build without branches: until then decode runs the other one). Benchmarks of steady-state speed

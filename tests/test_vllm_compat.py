@@ -235,6 +235,20 @@ def test_prefix_cache_hits_and_metrics(llm: LLM) -> None:
     m = out.metrics
     assert m.arrival_time <= m.first_scheduled_time <= m.first_token_time <= m.last_token_time <= m.finished_time
     assert m["ttft_s"] == pytest.approx(m.first_token_time - m.arrival_time, abs=1e-3)
+    # reset_prefix_cache (vLLM's): the same prompt computes its whole prompt again, with the same tokens.
+    assert llm.reset_prefix_cache() is True
+    again = llm.generate(ids, greedy(max_tokens=2))[0]
+    assert again.num_cached_tokens == 0 and again.outputs[0].token_ids == out.outputs[0].token_ids
+    assert llm.generate(ids, greedy(max_tokens=2))[0].num_cached_tokens == 32  # and caches it anew
+
+
+def test_cpu_bench_times_each_call_from_an_empty_prefix_cache(llm: LLM) -> None:
+    """`jaxinfer bench --device cpu` repeats its prompts; HF keeps nothing between calls, so neither may we."""
+    from jaxinfer.bench.cpu_vs_hf import prompts, run_ours
+
+    rec = run_ours(llm, prompts(llm.model_config.vocab_size, 2, 32), 3, rounds=2)
+    assert rec["timed_prefix_cache_hit_tokens"] == 0  # without the resets: a page of each prompt, every call
+    assert rec["output_tokens"] == 6 and len(rec["times_s"]) == 2
 
 
 # ------------------------------------------------------------------------------------------ tokenizer, chat

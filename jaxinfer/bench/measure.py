@@ -57,6 +57,9 @@ def _stats_delta(llm: Any, before: dict[str, Any]) -> dict[str, Any]:
     return {
         "engine_steps": after["num_steps"] - before["num_steps"],
         "preemptions": after["num_preemptions"] - before["num_preemptions"],
+        # Prompt tokens served from the prefix cache: 0 unless prompts share prefixes or a preempted request
+        # comes back to its own cached pages.
+        "prefix_cache_hit_tokens": after["prefix_cache_hit_tokens"] - before["prefix_cache_hit_tokens"],
         # Which decode path ran: pipelined single steps, or multi-step calls launched ahead of the host.
         "pipelined_steps": after["num_pipelined_steps"] - before["num_pipelined_steps"],
         "overlapped_calls": after["num_overlapped_calls"] - before["num_overlapped_calls"],

@@ -1,7 +1,9 @@
 """Benchmark workloads: per-request input and output lengths, and the random prompts that realize them.
 
-Prompts are random token ids, so no two share a prefix and the prefix cache never helps; every request
-generates exactly its output length (ignore_eos), as in `vllm bench` with the random dataset.
+Prompts are random token ids, so no two prompts of a workload share a prefix and the prefix cache never helps
+inside one (two workloads drawn from the same seed begin alike, which is why the bench empties the cache between
+its sections); every request generates exactly its output length (ignore_eos), as in `vllm bench` with the random
+dataset.
 """
 
 from __future__ import annotations

@@ -278,6 +278,15 @@ class Engine:
         if self.on_device_wait is not None:
             self.on_device_wait()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix page, so later requests compute their whole prompts (vLLM's
+        `LLM.reset_prefix_cache`; benchmarks that repeat prompts call it). Pages that running requests hold stay
+        theirs. False when prefix caching is off."""
+        if self.scheduler.prefix_cache is None:
+            return False
+        self.scheduler.prefix_cache.clear()
+        return True
+
     def has_unfinished(self) -> bool:
         # A decode call still in flight when nothing is unfinished holds only rows finished since its launch;
         # the next step() reads it back and drops them.

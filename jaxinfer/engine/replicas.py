@@ -95,6 +95,9 @@ class DataParallelEngines:
         replica = self._owner.pop(request_id, None)
         return None if replica is None else self.engines[replica].abort(request_id)
 
+    def reset_prefix_cache(self) -> bool:
+        return all([e.reset_prefix_cache() for e in self.engines])
+
     def has_unfinished(self) -> bool:
         return any(e.has_unfinished() for e in self.engines)
 

@@ -136,6 +136,28 @@ def test_prompts_submitted_twice_hit_the_prefix_cache(steps: int) -> None:
     assert_all_pages_free(engine)
 
 
+def test_reset_prefix_cache_mid_run_keeps_running_requests_whole() -> None:
+    """A reset while requests decode uncaches their pages without freeing them; later prompts miss the cache."""
+    engine = make_engine(16, steps=STEPS)
+    first = engine.generate(PROMPTS, GREEDY)
+    hits = engine.stats()["prefix_cache_hit_tokens"]
+    ids = [engine.add_request(p, GREEDY) for p in PROMPTS]
+    outs = {o.request_id: o for o in engine.step() if o.finished}  # these prompts hit the cache, then decode
+    assert engine.stats()["prefix_cache_hit_tokens"] > hits and engine.reset_prefix_cache() is True
+    while engine.has_unfinished():
+        outs.update({o.request_id: o for o in engine.step() if o.finished})
+    assert [outs[i].token_ids for i in ids] == [o.token_ids for o in first]
+    hits = engine.stats()["prefix_cache_hit_tokens"]
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == [o.token_ids for o in first]
+    assert engine.stats()["prefix_cache_hit_tokens"] > hits  # the finished requests' pages were cached anew
+    assert engine.reset_prefix_cache() is True
+    hits = engine.stats()["prefix_cache_hit_tokens"]
+    assert [o.token_ids for o in engine.generate(PROMPTS, GREEDY)] == [o.token_ids for o in first]
+    assert engine.stats()["prefix_cache_hit_tokens"] == hits
+    assert_all_pages_free(engine)
+    assert make_engine(16, prefix=False).reset_prefix_cache() is False
+
+
 def test_multi_step_decode_runs_fewer_device_calls() -> None:
     single, multi = make_engine(16), make_engine(16, steps=STEPS)
     assert [o.token_ids for o in single.generate(PROMPTS, GREEDY)] == [

@@ -141,3 +141,21 @@ def test_prefix_caching_off_never_hits() -> None:
     sched.add(SequenceGroup.create("b", prompt, max_tokens=1))
     (entry,) = sched.schedule().seqs
     assert entry.start_pos == 0 and sched.stats()["prefix_cache_hit_rate"] == 0.0
+
+
+def test_data_parallel_reset_asks_every_replica() -> None:
+    from jaxinfer.engine.replicas import DataParallelEngines
+
+    class Replica:
+        use_tqdm, tokenizer, gate = False, None, None
+
+        def __init__(self, caching: bool) -> None:
+            self.caching, self.resets = caching, 0
+
+        def reset_prefix_cache(self) -> bool:
+            self.resets += 1
+            return self.caching
+
+    both = [Replica(True), Replica(True)]
+    assert DataParallelEngines(both).reset_prefix_cache() is True and [r.resets for r in both] == [1, 1]
+    assert DataParallelEngines([Replica(True), Replica(False)]).reset_prefix_cache() is False
