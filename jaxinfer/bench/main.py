@@ -86,6 +86,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hf-python", default=sys.executable,
                    help="--device cpu: an interpreter with torch, transformers and gguf for the HF side")
     p.add_argument("--cpu-batches", type=int, nargs="*", default=[1, 32])
+    p.add_argument("--cpu-new-tokens", type=int, default=64,
+                   help="--device cpu: tokens each row generates (1 times the prefill and one sample)")
     p.add_argument("--carry", nargs="*", default=[], metavar="JSON",
                    help="earlier results (a --device cpu run, a --start-times or --defaults-check run) whose "
                         "start, defaults and CPU figures this run did not measure: carried into its headline, with their file")
@@ -433,7 +435,7 @@ def execute(args: argparse.Namespace, argv: list[str]) -> int:
     if args.device == "cpu":
         from jaxinfer.bench import cpu_vs_hf
 
-        result = cpu_vs_hf.run(args.hf_python, args.cpu_batches)
+        result = cpu_vs_hf.run(args.hf_python, args.cpu_batches, new_tokens=args.cpu_new_tokens)
         result["command"] = _command(argv)
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
