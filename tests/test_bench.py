@@ -200,8 +200,9 @@ def test_a_failed_section_is_recorded_and_the_rest_still_run(tmp_path, monkeypat
     hf_json = tmp_path / "hf.json"
     hf_json.write_text(json.dumps({"device": "cpu", "spec": {"throughput": [{"name": "1000/1000", "num_prompts": 2}]},
                                    "best_output_tok_s": {"1000/1000": 0.5}, "best_mode": {"1000/1000": "static"}}))
-    argv = ["--grid", "16x4:2", "32x4:2", "32x6:2", "--concurrency", "2", "--sweep-workload", "8x3", "--decode-batches", "1",
-            "--decode-ctx", "8", "--decode-steps", "4", "--prefill-tokens", "0", "--max-num-seqs", "4",
+    argv = ["--grid", "16x4:2", "32x4:2", "32x6:2", "--concurrency", "2", "--sweep-workload", "8x3",
+            "--decode-batches", "1", "--decode-ctx", "8", "--decode-steps", "4", "--prefill-tokens", "0",
+            "--max-num-seqs", "4",
             "--max-num-batched-tokens", "64", "--page-size", "16", "--num-pages", "200", "--dtype", "float32",
             "--copy-gib", "0.001", "--matmul-n", "64", "--hf-json", str(hf_json), "--hf-prompts", "64",
             "--max-model-len", "2048", "--plot", "none", "--out", str(out)]
