@@ -162,6 +162,12 @@ def level_result(results: list[dict[str, Any]], workload: Workload, concurrency:
     }
 
 
+def level_prompts(workload: Workload, vocab_limit: int, seed: int, level: int) -> list[list[int]]:
+    """The token prompts of the sweep's `level`-th load level: the workload's lengths, each level drawing its own
+    ids (seed + 1 + level), so no level finds an earlier level's prompts in the server's prefix cache."""
+    return prompts(workload, vocab_limit, seed + 1 + level)
+
+
 async def _text_prompts(client: Client, batch: list[list[int]]) -> list[str]:
     """Token prompts as text, decoded by the server itself (/detokenize), for the chat endpoint."""
     out = []
@@ -187,20 +193,21 @@ async def run_all(args: argparse.Namespace) -> dict[str, Any]:
     workload = parse(args.workload, args.num_prompts, args.seed)
     if args.output_lens:
         workload = with_output_lens(workload, args.output_lens)
-    batch: list[Any] = prompts(workload, args.vocab_limit, args.seed)
     timeout = aiohttp.ClientTimeout(total=args.timeout)
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
         client = Client(args, session)
         await client.resolve_model()
-        if args.endpoint == "chat":
-            batch = await _text_prompts(client, batch)
         result = {"command": "jaxinfer bench-serve", "label": args.label, "base_url": args.base_url,
                   "model": client.model, "endpoint": args.endpoint, "workload": workload.name,
                   "structured": args.structured, "temperature": args.temperature,
                   "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "sweep": []}
-        await client.one(batch[0], 4)  # warm the connection and the server's first-request paths
-        for c in args.concurrency:
+        # Warm the connection and the server's first-request paths on a prompt no level sends.
+        await client.one(prompts(workload, args.vocab_limit, args.seed)[0], 4)
+        for k, c in enumerate(args.concurrency):
+            batch: list[Any] = level_prompts(workload, args.vocab_limit, args.seed, k)
+            if args.endpoint == "chat":
+                batch = await _text_prompts(client, batch)
             level = await run_level(client, batch, workload, c, args.request_rate, args.seed)
             result["sweep"].append(level)
             print(json.dumps({k: v for k, v in level.items() if not isinstance(v, dict | list)}), flush=True)

@@ -56,3 +56,17 @@ def test_output_lens_must_give_one_integer_per_prompt(tmp_path) -> None:
         path.write_text(bad)
         with pytest.raises(ValueError, match="one per prompt"):
             with_output_lens(parse("16x8", 2, 0), path)
+
+
+def test_each_load_level_sends_prompts_no_earlier_level_sent() -> None:
+    """The server's prefix cache keeps what one level sent; the next must not find it there (one seed, as
+    `jaxinfer bench` workloads, would resend the same prompts and time cached prefills)."""
+    from jaxinfer.bench.serve_bench import level_prompts
+    from jaxinfer.bench.workloads import parse, prompts
+
+    workload = parse("sharegpt", 6, 0)
+    warm = prompts(workload, 1000, 0)[0]
+    levels = [level_prompts(workload, 1000, 0, k) for k in range(3)]
+    firsts = {tuple(p[:16]) for batch in levels for p in batch} | {tuple(warm[:16])}
+    assert len(firsts) == 3 * 6 + 1  # no two prompts share even a first page
+    assert all([len(p) for p in batch] == list(workload.input_lens) for batch in levels)
