@@ -1,9 +1,13 @@
-"""Two small host-side ledgers of the engine loop: where its wall time goes (`PhaseTimes`) and which device row
-of the penalty state each live sequence owns (`PenaltySlots`)."""
+"""Small host-side ledgers of the engine loop: where its wall time goes (`PhaseTimes`), which device row of the
+penalty state each live sequence owns (`PenaltySlots`), and how evenly a MoE model's experts are loaded
+(`expert_load_stats`)."""
 
 from __future__ import annotations
 
 import time
+from typing import Any
+
+import numpy as np
 
 from jaxinfer.engine.sequence import SeqKey
 
@@ -48,3 +52,11 @@ class PenaltySlots:
         slot = self._of.pop(key, None)
         if slot is not None:
             self._free.append(slot)
+
+
+def expert_load_stats(counts: np.ndarray) -> dict[str, Any]:
+    """Per-expert (token, expert) pair counts summed over MoE layers and steps, and their balance: max/mean
+    is 1.0 for perfectly even routing (random routers come close; trained ones are skewed)."""
+    mean = float(counts.mean())
+    return {"expert_token_counts": [int(c) for c in counts],
+            "expert_load_max_over_mean": float(counts.max()) / mean if mean > 0 else None}

@@ -30,7 +30,7 @@ from jaxinfer.config import CacheConfig, EngineConfig, SamplingParams
 from jaxinfer.engine.admission import Admission, Gate
 from jaxinfer.engine import frontend, warmup
 from jaxinfer.engine.batcher import MIN_TOKEN_BUCKET, BatchShape, SeqChunk, bucket, buckets_up_to, pack, pow2_ceil
-from jaxinfer.engine.bookkeeping import PenaltySlots, PhaseTimes
+from jaxinfer.engine.bookkeeping import PenaltySlots, PhaseTimes, expert_load_stats
 from jaxinfer.engine.decode_loop import DecodeLoop
 from jaxinfer.engine.detokenize import IncrementalDetokenizer
 from jaxinfer.engine.logprobs import TokenTexts
@@ -42,7 +42,7 @@ from jaxinfer.engine.step_io import DecodeInputs, SampleInputs, StepBatch
 from jaxinfer.engine.sampling_rows import PenaltyState, SamplingArrays, resolve_seed, set_rows, unconstrained_bitmask
 from jaxinfer.engine.scheduler import Scheduler
 from jaxinfer.engine.step_plan import ScheduledSeq, StepPlan
-from jaxinfer.engine.speculative import Speculator
+from jaxinfer.engine.speculative import speculator_for
 from jaxinfer.engine.sequence import FinishReason, SequenceGroup
 from jaxinfer.outputs import RequestOutput
 from jaxinfer.validation import RequestOutputKind
@@ -145,7 +145,7 @@ class Engine:
         self._background_compile: threading.Thread | None = None  # see warmup
         self.num_steps = 0
         self.expert_counts = np.zeros(runner.num_experts, np.int64)  # MoE load: (token, expert) pairs so far
-        self.spec = _speculator(self, speculative, draft_runner)
+        self.spec = speculator_for(self, speculative, draft_runner)
 
     @property
     def decode_steps_per_call(self) -> int:
@@ -488,25 +488,6 @@ class Engine:
         if self.spec is not None:
             stats.update(self.spec.stats.as_dict())
         return stats
-
-
-def expert_load_stats(counts: np.ndarray) -> dict[str, Any]:
-    """Per-expert (token, expert) pair counts summed over MoE layers and steps, and their balance: max/mean
-    is 1.0 for perfectly even routing (random routers come close; trained ones are skewed)."""
-    mean = float(counts.mean())
-    return {"expert_token_counts": [int(c) for c in counts],
-            "expert_load_max_over_mean": float(counts.max()) / mean if mean > 0 else None}
-
-
-def _speculator(engine: Engine, cfg: Any, draft_runner: ModelRunner | None) -> Speculator | None:
-    """The engine's Speculator for a SpeculativeConfig (None: no speculation); `draft_runner` holds the draft
-    model of method 'draft' (its cache as many pages as the target's, see jaxinfer.engine.draft)."""
-    if cfg is None:
-        return None
-    from jaxinfer.engine.draft import DraftRunner
-
-    draft = None if draft_runner is None else DraftRunner(draft_runner, cfg.num_speculative_tokens, cfg.draft_sampling)
-    return Speculator(engine, cfg, draft)
 
 
 def _at_least_one(name: str, value: int) -> int:

@@ -25,7 +25,7 @@ from jax.sharding import Mesh, NamedSharding
 
 from jaxinfer.engine import frontend
 from jaxinfer.engine.admission import Admission
-from jaxinfer.engine.engine import expert_load_stats
+from jaxinfer.engine.bookkeeping import expert_load_stats
 from jaxinfer.errors import InvalidInput
 from jaxinfer.outputs import RequestOutput
 

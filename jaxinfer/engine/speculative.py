@@ -360,6 +360,15 @@ class Speculator:
             runner.kv_cache = jax.tree.map(lambda a: jnp.zeros(a.shape, a.dtype, device=a.sharding), cache)
 
 
+def speculator_for(engine: Any, cfg: SpeculativeConfig | None, draft_runner: Any) -> Speculator | None:
+    """The engine's Speculator for a SpeculativeConfig (None: no speculation); `draft_runner` (a ModelRunner)
+    holds the draft model of method 'draft' (its cache as many pages as the target's, see jaxinfer.engine.draft)."""
+    if cfg is None:
+        return None
+    draft = None if draft_runner is None else DraftRunner(draft_runner, cfg.num_speculative_tokens, cfg.draft_sampling)
+    return Speculator(engine, cfg, draft)
+
+
 def _may_speculate(params: Any) -> bool:
     """The request did not opt out (SamplingParams.speculative), and asks for nothing that changes its
     distribution with each token in a way the verification cannot follow: a structured-output grammar's mask
