@@ -2,7 +2,7 @@
 of time (`precompile`), now or on a thread of their own after the engine starts serving
 (`precompile_in_background`). A mixin of `ModelRunner`, whose constructor sets the attributes used here:
 `_executables`, `_entry_points`, `_own_args`, `_deferred`, `_in_background`, `precompile_times`,
-`export_directory`, and the weights, cache, mesh and transfer."""
+`export_directory`, `program_identity`, `_recipe_kinds`, and the weights, cache, mesh and transfer."""
 
 from __future__ import annotations
 
@@ -18,10 +18,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jaxinfer.engine import export_cache
+from jaxinfer.engine import export_cache, export_recipes
 from jaxinfer.sharding import replicated
 
 BACKGROUND_EXIT_WAIT_S = 60.0  # at exit, how long to wait for the background compiles already running
+
+
+def _timed(compile_fn: Any, kind: str, times: list[tuple[str, float]]) -> Any:
+    start = time.perf_counter()
+    try:
+        return compile_fn()
+    finally:
+        times.append((kind, time.perf_counter() - start))  # list.append is atomic: the pool's threads share it
 
 
 class CompiledPrograms:
@@ -56,7 +64,8 @@ class CompiledPrograms:
         is kept and used by `step`/`decode_steps` for inputs of the same shapes. With a persistent compilation
         cache, lowering goes through jaxinfer.engine.export_cache (a warm start reads the lowered programs).
         `precompile_times`: `trace_s` the tracing loop, `compile_s` the compiles still running after it,
-        `programs_read` / `programs_exported` / `programs_lowered` where each program's lowering came from.
+        `programs_read` / `programs_read_untraced` / `programs_exported` / `programs_lowered` where each program's
+        lowering came from (read_untraced: found by its recipe, export_recipes, and not traced).
         """
         start = time.perf_counter()
         # One thread per core: on a 16-core H100 host a cold start of the bench's engine took 52.6 s to its first
@@ -68,9 +77,12 @@ class CompiledPrograms:
             # collectives mismatched in tests/distributed/test_multihost.py); one process may use the pool.
             placer = pool if jax.process_count() == 1 else in_order
             pending, lowered_keys, sources = [], set(), []
+            compile_times: list[tuple[str, float]] = []  # (kind, seconds) of each compile, in the order they ended
             # Lowered programs from an earlier start, or written now for the next (jaxinfer.engine.export_cache).
             exports = (export_cache.default_directory() if self.export_directory == "auto"
                        else None if self.export_directory is None else Path(self.export_directory))
+            # Taken before anything is traced: tracing imports modules, which a start that reads recipes never does.
+            environment = export_recipes.environment_digest() if exports is not None else None
             for kind, rest, static in calls:
                 if stop is not None and stop.is_set():  # the process is exiting (precompile_in_background)
                     break
@@ -84,19 +96,21 @@ class CompiledPrograms:
                 key = self._key(kind, args, static)
                 if key in self._executables or key in lowered_keys:
                     continue
-                lowered = [(key, export_cache.lower(self._jitted(kind), args, static, exports))]
+                lowered = [(key, export_cache.lower(self._jitted(kind), args, static, exports,
+                                                    self._recipe(kind, environment)))]
                 if kind in ("forward", "small_forward"):  # and the prompt-logprob program over its hidden states
-                    lowered.extend(self._lower_prompt(lowered[0][1].out_info[1].hidden, exports))
+                    lowered.extend(self._lower_prompt(lowered[0][1].out_info[1].hidden, exports, environment))
                 lowered_keys.update(k for k, _ in lowered)
                 sources.extend(getattr(low, "source", "lowered") for _, low in lowered)
-                pending.extend((k, pool.submit(low.compile)) for k, low in lowered)
+                pending.extend((k, pool.submit(_timed, low.compile, kind, compile_times)) for k, low in lowered)
             traced = time.perf_counter()
             done = [(key, future.result()) for key, future in pending]  # a placement's error surfaces here too
             self._executables.update((key, exe) for key, exe in done if key is not None)  # None: a placement
         if lowered_keys:
             self.precompile_times = {"executables": len(lowered_keys), "threads": threads,
                                      "trace_s": traced - start, "compile_s": time.perf_counter() - traced,
-                                     **{f"programs_{s}": sources.count(s) for s in sorted(set(sources))}}
+                                     **{f"programs_{s}": sources.count(s) for s in sorted(set(sources))},
+                                     "compile_s_by_program": [[k, round(t, 3)] for k, t in compile_times]}
 
     def precompile_in_background(self, calls: list[tuple[str, tuple[Any, ...], dict[str, Any]]],
                                  threads: int | None = None) -> threading.Thread:
@@ -131,10 +145,19 @@ class CompiledPrograms:
         atexit.register(at_exit)
         return thread
 
-    def _lower_prompt(self, hidden: jax.ShapeDtypeStruct, exports: Path | None) -> list[tuple[tuple[Any, ...], Any]]:
+    def _recipe(self, kind: str, environment: str | None) -> tuple[str, str] | None:
+        """The export cache's recipe identity of an entry point (export_recipes), or None where it has none."""
+        if environment is None or self.program_identity is None or kind not in self._recipe_kinds:
+            return None
+        return f"{kind} of {self.program_identity}", environment
+
+    def _lower_prompt(self, hidden: jax.ShapeDtypeStruct, exports: Path | None,
+                      environment: str | None) -> list[tuple[tuple[Any, ...], Any]]:
         """The prompt-logprob program lowered for a forward's hidden states [T, D], unless compiled already."""
         t = hidden.shape[0]
         args = (self.weights, jax.ShapeDtypeStruct(hidden.shape, hidden.dtype, sharding=self.hidden_sharding(t)),
                 jax.ShapeDtypeStruct((t,), jnp.int32, sharding=replicated(self.mesh)))
         key = self._key("prompt", args, {})
-        return [] if key in self._executables else [(key, export_cache.lower(self._prompt_step, args, {}, exports))]
+        if key in self._executables:
+            return []
+        return [(key, export_cache.lower(self._prompt_step, args, {}, exports, self._recipe("prompt", environment)))]

@@ -6,10 +6,11 @@ lowered module): 5.9 s building jaxprs, 10.7 s lowering them to StableHLO, about
 lowering the attention kernel once per program (docs/PERFORMANCE.md, "Start"). XLA's cache then returns each
 executable in a fraction of a second.
 
-What: each program is traced as before (that gives the output tree and the cache key), and its lowering is
-taken from `jax.export` (a serialized StableHLO module, flatbuffers, no pickle): written on the first start,
-read on later ones. The program compiled is the exported module called on the flattened arguments, on both
-starts, so the second start's XLA module is the first's and hits XLA's cache.
+What: each program is traced as before (that gives the output tree and the cache key), and its lowering is taken
+from `jax.export` (a serialized StableHLO module, flatbuffers, no pickle): written on the first start, read on later
+ones. A traced program also leaves a recipe (export_recipes.py) that later starts find from the program's inputs
+alone, so that they read its file without tracing it. The program compiled is the exported module called on the
+flattened arguments, on both starts, so the second start's XLA module is the first's and hits XLA's cache.
 
 The key is a SHA-256 of everything the lowered module depends on: the jaxpr's text (every primitive, shape,
 static parameter, nested jaxpr and Pallas kernel body), the bytes of its closed-over constants, the argument
@@ -33,6 +34,8 @@ from typing import Any
 
 import jax
 import numpy as np
+
+from jaxinfer.engine import export_recipes
 
 SUFFIX = ".jaxexport"
 _WARNED: set[str] = set()
@@ -69,18 +72,16 @@ class FlatCompiled:
 
 
 class FlatLowered:
-    """`jax.stages.Lowered`'s part that precompile uses: `compile()` and `out_info`."""
+    """`jax.stages.Lowered`'s part that precompile uses: `compile()` and `out_info` (shapes and dtypes)."""
 
-    def __init__(self, lowered: Any, in_tree: Any, traced: Any, source: str):
-        self._lowered, self._in_tree, self._traced = lowered, in_tree, traced
-        self.source = source  # "read" (from a file) or "exported" (written now)
-
-    @property
-    def out_info(self) -> Any:
-        return self._traced.out_info
+    def __init__(self, lowered: Any, in_tree: Any, out_tree: Any, out_info: Any, source: str):
+        self._lowered, self._in_tree, self._out_tree, self.out_info = lowered, in_tree, out_tree, out_info
+        # "read" (traced for its key, then read from a file), "read_untraced" (found by its recipe, not traced:
+        # export_recipes) or "exported" (written now)
+        self.source = source
 
     def compile(self) -> FlatCompiled:
-        return FlatCompiled(self._lowered.compile(), self._in_tree, self._traced.out_tree)
+        return FlatCompiled(self._lowered.compile(), self._in_tree, self._out_tree)
 
 
 def program_key(traced: Any, leaves: list[Any], options: dict[str, Any]) -> str:
@@ -155,18 +156,63 @@ def _warn_once(name: str, what: str, error: BaseException) -> None:
                       "lowered as usual instead. This is reported once per program.", RuntimeWarning, stacklevel=3)
 
 
-def lower(jitted: Any, args: tuple[Any, ...], static: dict[str, Any], directory: Path | None) -> Any:
-    """`jitted.lower(*args, **static)`, through the export cache in `directory` (None: plain lowering)."""
+def _flat_lowered(exported: Any, leaves: list[Any], in_tree: Any, out_tree: Any, out_info: Any,
+                  donated: tuple[int, ...], options: dict[str, Any], source: str) -> FlatLowered:
+    flat = jax.jit(exported.call, donate_argnums=donated, compiler_options=options or None)
+    return FlatLowered(flat.lower(*leaves), in_tree, out_tree, out_info, source)
+
+
+def _deserialize(path: Path) -> Any:
+    return jax.export.deserialize(bytearray(path.read_bytes()))
+
+
+def _untraced(directory: Path, key: str, leaves: list[Any], in_tree: Any) -> tuple[Any, FlatLowered] | None:
+    """(recipe, lowered program) from the recipe named `key` and the file it names, or None (no recipe, no file,
+    or a file that does not fit the arguments: the caller traces)."""
+    recipe = export_recipes.read(directory, key)
+    if recipe is None:
+        return None
+    try:
+        exported = _deserialize(directory / (recipe.program + SUFFIX))
+        out_tree = export_recipes.tree_from_json(recipe.out_tree)
+        fits = (len(exported.in_avals) == len(leaves) and out_tree.num_leaves == len(exported.out_avals)
+                and all(a.shape == tuple(x.shape) and a.dtype == x.dtype for a, x in zip(exported.in_avals, leaves)))
+        if not fits:
+            return None
+        info = jax.tree.unflatten(out_tree, [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in exported.out_avals])
+        return recipe, _flat_lowered(exported, leaves, in_tree, out_tree, info, recipe.donated, recipe.options,
+                                     "read_untraced")
+    except Exception as e:  # noqa: BLE001 - traced as before
+        _warn_once(recipe.name, "reading the recipe of", e)
+        return None
+
+
+def lower(jitted: Any, args: tuple[Any, ...], static: dict[str, Any], directory: Path | None,
+          recipe: tuple[str, str] | None = None) -> Any:
+    """`jitted.lower(*args, **static)`, through the export cache in `directory` (None: plain lowering).
+
+    `recipe`: (the program's identity, the start's export_recipes.environment_digest()), for programs whose
+    trace those two and the arguments determine (the runner's own entry points): a recipe from an earlier start
+    then names the program's file without a trace, and a traced program leaves one for the next start."""
     if directory is None:
         return jitted.lower(*args, **static)
-    traced = jitted.trace(*args, **static)
     leaves, in_tree = jax.tree.flatten(args)
+    rkey = None if recipe is None else export_recipes.recipe_key(*recipe, leaves, in_tree, static)
+    found = None if rkey is None else _untraced(directory, rkey, leaves, in_tree)
+    if found is not None and not export_recipes.check_requested():
+        return found[1]
+    traced = jitted.trace(*args, **static)
     options = _compiler_options(traced)
-    path = directory / (program_key(traced, leaves, options) + SUFFIX)
+    key = program_key(traced, leaves, options)
+    if found is not None and found[0].program != key:
+        raise RuntimeError(f"export cache: the recipe of program {traced.fun_name!r} names {found[0].program}, its "
+                           f"trace {key}: something the program depends on is missing from "
+                           "jaxinfer.engine.export_recipes.recipe_key")
+    path = directory / (key + SUFFIX)
     exported, source = None, "read"
     if path.exists():
         try:
-            exported = jax.export.deserialize(bytearray(path.read_bytes()))
+            exported = _deserialize(path)
         except Exception as e:  # noqa: BLE001 - an unreadable file is written again below
             _warn_once(traced.fun_name, "reading", e)
     if exported is None:
@@ -178,8 +224,11 @@ def lower(jitted: Any, args: tuple[Any, ...], static: dict[str, Any], directory:
             _warn_once(traced.fun_name, "exporting", e)
             return traced.lower()
     donated = tuple(i for i, info in enumerate(jax.tree.leaves(traced.args_info)) if info.donated)
-    flat = jax.jit(exported.call, donate_argnums=donated, compiler_options=options or None)
-    return FlatLowered(flat.lower(*leaves), in_tree, traced, source)
+    if rkey is not None and found is None:
+        blob = export_recipes.encode(key, donated, options, traced.out_tree, traced.fun_name)
+        if blob is not None:
+            _write(export_recipes.recipe_path(directory, rkey), blob)
+    return _flat_lowered(exported, leaves, in_tree, traced.out_tree, traced.out_info, donated, options, source)
 
 
 __all__ = ["FlatCompiled", "FlatLowered", "default_directory", "directory_for", "lower", "program_key"]

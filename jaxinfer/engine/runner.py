@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jaxinfer.attention import make_attention_fn
 from jaxinfer.expert_parallel import make_moe_fn
 from jaxinfer.config import ModelConfig
+from jaxinfer.engine import export_recipes
 from jaxinfer.engine.aot import CompiledPrograms
 from jaxinfer.engine.page_copies import PAGE_COPY_WIDTH, copy_pages, page_copy_arrays
 from jaxinfer.engine.page_table import PageCopy
@@ -132,7 +133,7 @@ class ModelRunner(CompiledPrograms):
         self.transfer = Transfer(replicated(mesh))  # each step's small host arrays in a few copies
         # Executables compiled ahead of time by `precompile`, keyed by entry point and input shapes.
         self._executables: dict[tuple[Any, ...], Any] = {}
-        self.precompile_times: dict[str, float] = {}  # the last `precompile`: trace and compile seconds
+        self.precompile_times: dict[str, Any] = {}  # the last `precompile`: trace and compile seconds
         attn_fn = make_attention_fn(cfg, attention_impl, interpret, mesh)
         # The multi-step decode loop has exactly one new token per row, which it tells the attention: the GPU kernel
         # then lays one token per tile and moves only the tile's q-head rows (gpu.tile_layout; at 192 rows an
@@ -195,6 +196,13 @@ class ModelRunner(CompiledPrograms):
         # How many leading arguments of an entry point are the runner's own (weights, kv_cache): they never change
         # shape, so `_key` skips them and `precompile` supplies them.
         self._own_args = {"sample": 0, "prompt": 1}
+        # What these entry points' traces are made of besides their arguments, for the export cache's recipes
+        # (export_recipes: a warm start then reads each program without tracing it). Entry points registered
+        # later close over other state and are traced on every start.
+        self.program_identity = export_recipes.describe(
+            (family, cfg, mesh.axis_names, mesh.devices.shape, [d.id for d in mesh.devices.flat], rules,
+             attention_impl, self.attention_impl, bool(interpret), self.platform))
+        self._recipe_kinds = frozenset(self._entry_points)
         # Where precompile keeps lowered programs (export_cache): "auto" beside the persistent compilation cache
         # (export_cache.default_directory), None nowhere, or a directory.
         self.export_directory: str | Path | None = "auto"
