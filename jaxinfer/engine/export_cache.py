@@ -90,7 +90,7 @@ def program_key(traced: Any, leaves: list[Any], options: dict[str, Any]) -> str:
     devices = jax.devices()
     for part in (jax.__version__, jax.lib.__version__, jax.default_backend(), devices[0].device_kind, len(devices),
                  sorted(options.items()), [info.donated for info in jax.tree.leaves(traced.args_info)],
-                 [(leaf.shape, str(leaf.dtype), str(getattr(leaf, "sharding", None))) for leaf in leaves]):
+                 export_recipes.leaf_signature(leaves)):
         h.update(repr(part).encode())
     h.update(str(traced.jaxpr).encode())
     for const in traced.jaxpr.consts:

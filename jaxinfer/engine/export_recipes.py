@@ -133,10 +133,7 @@ def module_state() -> str:
         for key, value in sorted(vars(module).items()):
             if key.startswith("__") or (name, key) in BOOKKEEPING:
                 continue
-            try:
-                text = _describe(value)
-            except Undescribable:
-                text = f"unstable {id(value)}"  # this process only
+            text = describe(value) or f"unstable {id(value)}"  # no stable text: this process only
             h.update(f"{name}.{key}={text}\n".encode())
     return h.hexdigest()
 
@@ -175,12 +172,16 @@ def environment_digest() -> str:
     return h.hexdigest()
 
 
+def leaf_signature(leaves: list[Any]) -> list[tuple[Any, str, str]]:
+    """Each flat argument's shape, dtype and sharding: part of both the program's key and its recipe's."""
+    return [(leaf.shape, str(leaf.dtype), str(getattr(leaf, "sharding", None))) for leaf in leaves]
+
+
 def recipe_key(identity: str, environment: str, leaves: list[Any], in_tree: Any, static: dict[str, Any]) -> str:
     """The recipe's file name for one program: its identity, its arguments (tree, shapes, dtypes, shardings), its
     static arguments and the start's environment."""
     h = hashlib.sha256()
-    for part in (identity, environment, repr(in_tree), _describe(dict(static)),
-                 [(tuple(leaf.shape), str(leaf.dtype), repr(getattr(leaf, "sharding", None))) for leaf in leaves]):
+    for part in (identity, environment, repr(in_tree), _describe(dict(static)), leaf_signature(leaves)):
         h.update(repr(part).encode())
     return h.hexdigest()
 
@@ -271,5 +272,5 @@ def encode(program: str, donated: tuple[int, ...], options: dict[str, Any], out_
     return text.encode()
 
 
-__all__ = ["CHECK_ENV", "Recipe", "check_requested", "describe", "encode", "environment_digest", "module_state", "read",
-           "recipe_key", "recipe_path", "source_digest", "tree_from_json", "tree_to_json"]
+__all__ = ["CHECK_ENV", "Recipe", "check_requested", "describe", "encode", "environment_digest", "leaf_signature",
+           "module_state", "read", "recipe_key", "recipe_path", "source_digest", "tree_from_json", "tree_to_json"]
